@@ -1,0 +1,439 @@
+//! Configuration: one struct tree deserialized from TOML with unknown keys refused,
+//! defaults in one place (`config/default.toml`, embedded), env overrides applied in one
+//! function, validated once at startup.
+
+use serde::Deserialize;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+/// The embedded defaults; every key is documented there.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+#[derive(Debug)]
+pub enum ConfigError {
+    Read { path: PathBuf, source: std::io::Error },
+    Parse { origin: String, message: String },
+    Invalid { key: &'static str, message: String },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Read { path, source } => {
+                write!(f, "cannot read config file {}: {source}", path.display())
+            }
+            ConfigError::Parse { origin, message } => {
+                write!(f, "invalid config in {origin}: {message}")
+            }
+            ConfigError::Invalid { key, message } => write!(f, "invalid config {key}: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub network: NetworkConfig,
+    pub vm: VmConfig,
+    pub agent: AgentConfig,
+    pub sandbox: SandboxConfig,
+    pub images: ImagesConfig,
+    pub metrics: MetricsConfig,
+    pub api: ApiConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub state_dir: PathBuf,
+    #[serde(default)]
+    pub api_key: Option<String>,
+    pub max_body_bytes: u64,
+    pub http_threads: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkConfig {
+    pub netns_dir: PathBuf,
+    pub host_interaction_cidr: String,
+    pub veth_cidr: String,
+    pub max_slots: u32,
+    pub pool_min: u32,
+    pub pool_max: u32,
+    pub outbound: bool,
+    pub outbound_denied_cidrs: Vec<String>,
+    /// Empty: taken from the host's resolv.conf (network.md §5.5).
+    #[serde(default)]
+    pub dns: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelMode {
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    pub accel: AccelMode,
+    pub default_cpu_count: u32,
+    pub default_memory_mb: u32,
+    pub default_disk_size_mb: u32,
+    pub ready_timeout_secs: u64,
+    pub qemu_binary: PathBuf,
+    pub assets_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub port: u16,
+    pub max_output_bytes: u64,
+    pub max_upload_bytes: u64,
+    pub max_concurrent_commands: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxConfig {
+    pub default_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImagesConfig {
+    pub insecure_registries: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    pub require_api_key: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    pub envd_version: String,
+}
+
+/// An IPv4 network in CIDR form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (a, p) = s.split_once('/')?;
+        let addr: Ipv4Addr = a.parse().ok()?;
+        let prefix: u8 = p.parse().ok()?;
+        if prefix > 32 {
+            return None;
+        }
+        let cidr = Cidr { addr, prefix };
+        (cidr.network() == addr).then_some(cidr)
+    }
+
+    fn mask(&self) -> u32 {
+        if self.prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - self.prefix)
+        }
+    }
+
+    pub fn network(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.addr) & self.mask())
+    }
+
+    /// Number of addresses in the network.
+    pub fn size(&self) -> u64 {
+        1u64 << (32 - self.prefix as u32)
+    }
+
+    /// The network address plus `offset`.
+    pub fn nth(&self, offset: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.network()).wrapping_add(offset))
+    }
+
+    pub fn overlaps(&self, other: &Cidr) -> bool {
+        let m = self.mask() & other.mask();
+        u32::from(self.addr) & m == u32::from(other.addr) & m
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl NetworkConfig {
+    pub fn host_cidr(&self) -> Cidr {
+        Cidr::parse(&self.host_interaction_cidr).expect("validated at startup")
+    }
+    pub fn veth_cidr(&self) -> Cidr {
+        Cidr::parse(&self.veth_cidr).expect("validated at startup")
+    }
+}
+
+/// Where the config comes from: an explicit path, `AENV_CONFIG_PATH`, or the defaults.
+pub fn config_path(cli: Option<&Path>) -> Option<PathBuf> {
+    cli.map(Path::to_path_buf).or_else(|| {
+        std::env::var_os("AENV_CONFIG_PATH")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    })
+}
+
+impl Config {
+    /// Loads the embedded defaults, merges the file over them, applies env overrides and
+    /// validates the result.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let user = match path {
+            Some(p) => Some((
+                p.display().to_string(),
+                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.to_path_buf(),
+                    source,
+                })?,
+            )),
+            None => None,
+        };
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Config::from_sources(user.as_ref().map(|(o, t)| (o.as_str(), t.as_str())), &env)
+    }
+
+    /// Pure form of [`Config::load`], for tests.
+    pub fn from_sources(
+        user: Option<(&str, &str)>,
+        env: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut merged: toml::Table =
+            toml::from_str(DEFAULT_TOML).map_err(|e| ConfigError::Parse {
+                origin: "embedded defaults".into(),
+                message: e.to_string(),
+            })?;
+        if let Some((origin, text)) = user {
+            let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+                origin: origin.into(),
+                message: e.to_string(),
+            })?;
+            merge(&mut merged, table);
+        }
+        let mut config: Config =
+            toml::Value::Table(merged)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: user.map(|u| u.0).unwrap_or("embedded defaults").into(),
+                    message: e.to_string(),
+                })?;
+        config.apply_env(env);
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply_env(&mut self, env: &[(String, String)]) {
+        for (k, v) in env {
+            match k.as_str() {
+                "AENV_LISTEN_ADDR" if !v.is_empty() => self.server.listen = v.clone(),
+                "AENV_API_KEY" if !v.is_empty() => self.server.api_key = Some(v.clone()),
+                "AENV_STATE_DIR" if !v.is_empty() => self.server.state_dir = PathBuf::from(v),
+                _ => {}
+            }
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        if self.server.listen.parse::<SocketAddr>().is_err() {
+            return invalid(
+                "server.listen",
+                format!("{:?} is not an address:port", self.server.listen),
+            );
+        }
+        if let Some(key) = &self.server.api_key {
+            if let Err(m) = validate_api_key(key) {
+                return invalid("server.api_key", m);
+            }
+        }
+        if self.server.http_threads == 0 {
+            return invalid("server.http_threads", "must be at least 1".into());
+        }
+        let n = &self.network;
+        let host = Cidr::parse(&n.host_interaction_cidr);
+        let veth = Cidr::parse(&n.veth_cidr);
+        let Some(host) = host else {
+            return invalid(
+                "network.host_interaction_cidr",
+                format!("{:?} is not an IPv4 CIDR", n.host_interaction_cidr),
+            );
+        };
+        let Some(veth) = veth else {
+            return invalid(
+                "network.veth_cidr",
+                format!("{:?} is not an IPv4 CIDR", n.veth_cidr),
+            );
+        };
+        for c in &n.outbound_denied_cidrs {
+            if Cidr::parse(c).is_none() {
+                return invalid(
+                    "network.outbound_denied_cidrs",
+                    format!("{c:?} is not an IPv4 CIDR"),
+                );
+            }
+        }
+        if !n.dns.is_empty() && n.dns.parse::<Ipv4Addr>().is_err() {
+            return invalid("network.dns", format!("{:?} is not an IPv4 address", n.dns));
+        }
+        let guest = Cidr::parse("169.254.0.20/30").expect("constant");
+        if host.overlaps(&veth) || host.overlaps(&guest) || veth.overlaps(&guest) {
+            return invalid(
+                "network.host_interaction_cidr",
+                "host_interaction_cidr, veth_cidr and 169.254.0.20/30 must not overlap".into(),
+            );
+        }
+        if !(1..=32767).contains(&n.max_slots) {
+            return invalid("network.max_slots", "must be within 1..=32767".into());
+        }
+        if host.size() < n.max_slots as u64 + 2 {
+            return invalid(
+                "network.host_interaction_cidr",
+                format!("holds fewer than max_slots + 2 = {} addresses", n.max_slots + 2),
+            );
+        }
+        if veth.size() < 2 * (n.max_slots as u64 + 1) {
+            return invalid(
+                "network.veth_cidr",
+                format!(
+                    "holds fewer than 2 x (max_slots + 1) = {} addresses",
+                    2 * (n.max_slots + 1)
+                ),
+            );
+        }
+        if n.pool_min > n.pool_max {
+            return invalid("network.pool_min", "must not exceed network.pool_max".into());
+        }
+        let v = &self.vm;
+        if v.default_cpu_count == 0 {
+            return invalid("vm.default_cpu_count", "must be at least 1".into());
+        }
+        if v.default_memory_mb < 128 {
+            return invalid("vm.default_memory_mb", "must be at least 128".into());
+        }
+        if v.default_disk_size_mb < 1024 || v.default_disk_size_mb % 1024 != 0 {
+            return invalid(
+                "vm.default_disk_size_mb",
+                "must be at least 1024 and a multiple of 1024".into(),
+            );
+        }
+        if v.ready_timeout_secs == 0 {
+            return invalid("vm.ready_timeout_secs", "must be at least 1".into());
+        }
+        if self.agent.max_concurrent_commands == 0 {
+            return invalid("agent.max_concurrent_commands", "must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// API key rule of api.md §1.2: 32–256 characters from `[A-Za-z0-9._~-]`.
+pub fn validate_api_key(key: &str) -> Result<(), String> {
+    let ok_chars = key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"._~-".contains(&b));
+    if !(32..=256).contains(&key.len()) || !ok_chars {
+        return Err("an API key must be 32-256 characters from [A-Za-z0-9._~-]".into());
+    }
+    Ok(())
+}
+
+/// Recursive table merge: values from `over` replace those in `base`; unknown keys are
+/// kept so that deserialization refuses them with their name.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        Config::from_sources(Some(("test.toml", text)), &[])
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = Config::from_sources(None, &[]).unwrap();
+        assert_eq!(c.server.listen, "0.0.0.0:8000");
+        assert_eq!(c.network.max_slots, 1024);
+        assert_eq!(c.vm.accel, AccelMode::Auto);
+        assert_eq!(c.agent.port, 49983);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_their_name() {
+        let e = load("[server]\nlisten_addr = \"1.2.3.4:1\"\n").unwrap_err();
+        assert!(e.to_string().contains("listen_addr"), "{e}");
+        let e = load("[nope]\n").unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let env = vec![("AENV_LISTEN_ADDR".to_string(), "127.0.0.1:9".to_string())];
+        let c = Config::from_sources(Some(("f", "[server]\nlisten=\"127.0.0.1:1\"")), &env)
+            .unwrap();
+        assert_eq!(c.server.listen, "127.0.0.1:9");
+    }
+
+    #[test]
+    fn network_validation() {
+        let e = load("[network]\nveth_cidr = \"198.18.0.0/16\"\n").unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
+        let e = load("[network]\nhost_interaction_cidr = \"198.18.0.0/24\"\n").unwrap_err();
+        assert!(e.to_string().contains("max_slots + 2"), "{e}");
+        let e = load("[network]\npool_min = 9\npool_max = 3\n").unwrap_err();
+        assert!(e.to_string().contains("pool_min"), "{e}");
+        let e = load("[network]\nmax_slots = 0\n").unwrap_err();
+        assert!(e.to_string().contains("max_slots"), "{e}");
+        let e = load("[network]\nveth_cidr = \"bogus\"\n").unwrap_err();
+        assert!(e.to_string().contains("veth_cidr"), "{e}");
+    }
+
+    #[test]
+    fn api_key_rules() {
+        assert!(validate_api_key(&"a".repeat(32)).is_ok());
+        assert!(validate_api_key(&"a".repeat(31)).is_err());
+        assert!(validate_api_key(&format!("{}!", "a".repeat(32))).is_err());
+        let e = load(&format!("[server]\napi_key = \"{}\"\n", "short")).unwrap_err();
+        assert!(e.to_string().contains("api_key"), "{e}");
+    }
+
+    #[test]
+    fn cidr_math() {
+        let c = Cidr::parse("198.18.0.0/16").unwrap();
+        assert_eq!(c.nth(300), "198.18.1.44".parse::<Ipv4Addr>().unwrap());
+        assert!(Cidr::parse("198.18.0.1/16").is_none());
+        assert!(c.overlaps(&Cidr::parse("198.18.5.0/24").unwrap()));
+        assert!(!c.overlaps(&Cidr::parse("198.19.0.0/16").unwrap()));
+    }
+}

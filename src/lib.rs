@@ -1,0 +1,18 @@
+//! agentenv: AI-agent sandboxes as microVMs, one network namespace each, behind an
+//! E2B-style REST API.
+//!
+//! Data flows one way: `api` → `orchestrator` → `vm` / `net` / `hooks` / `store` /
+//! `image` → `sys`. `agent` is the host↔guest protocol shared with the in-guest agent
+//! (`guest`, built into the `agentenv-agent` binary).
+
+pub mod agent;
+pub mod api;
+pub mod config;
+pub mod guest;
+pub mod image;
+pub mod net;
+pub mod orchestrator;
+pub mod store;
+pub mod sys;
+pub mod util;
+pub mod vm;
