@@ -6,6 +6,7 @@
 use std::fmt;
 use std::io;
 
+pub mod files;
 pub mod fs;
 pub mod guest;
 pub mod netlink;
