@@ -12,9 +12,18 @@ pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
 #[derive(Debug)]
 pub enum ConfigError {
-    Read { path: PathBuf, source: std::io::Error },
-    Parse { origin: String, message: String },
-    Invalid { key: &'static str, message: String },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Parse {
+        origin: String,
+        message: String,
+    },
+    Invalid {
+        key: &'static str,
+        message: String,
+    },
 }
 
 impl fmt::Display for ConfigError {
@@ -256,7 +265,8 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
         if self.server.listen.parse::<SocketAddr>().is_err() {
             return invalid(
                 "server.listen",
@@ -310,7 +320,10 @@ impl Config {
         if host.size() < n.max_slots as u64 + 2 {
             return invalid(
                 "network.host_interaction_cidr",
-                format!("holds fewer than max_slots + 2 = {} addresses", n.max_slots + 2),
+                format!(
+                    "holds fewer than max_slots + 2 = {} addresses",
+                    n.max_slots + 2
+                ),
             );
         }
         if veth.size() < 2 * (n.max_slots as u64 + 1) {
@@ -323,7 +336,10 @@ impl Config {
             );
         }
         if n.pool_min > n.pool_max {
-            return invalid("network.pool_min", "must not exceed network.pool_max".into());
+            return invalid(
+                "network.pool_min",
+                "must not exceed network.pool_max".into(),
+            );
         }
         let v = &self.vm;
         if v.default_cpu_count == 0 {
@@ -332,7 +348,7 @@ impl Config {
         if v.default_memory_mb < 128 {
             return invalid("vm.default_memory_mb", "must be at least 128".into());
         }
-        if v.default_disk_size_mb < 1024 || v.default_disk_size_mb % 1024 != 0 {
+        if v.default_disk_size_mb < 1024 || !v.default_disk_size_mb.is_multiple_of(1024) {
             return invalid(
                 "vm.default_disk_size_mb",
                 "must be at least 1024 and a multiple of 1024".into(),
@@ -400,8 +416,8 @@ mod tests {
     #[test]
     fn env_overrides_file() {
         let env = vec![("AENV_LISTEN_ADDR".to_string(), "127.0.0.1:9".to_string())];
-        let c = Config::from_sources(Some(("f", "[server]\nlisten=\"127.0.0.1:1\"")), &env)
-            .unwrap();
+        let c =
+            Config::from_sources(Some(("f", "[server]\nlisten=\"127.0.0.1:1\"")), &env).unwrap();
         assert_eq!(c.server.listen, "127.0.0.1:9");
     }
 

@@ -12,6 +12,8 @@ pub mod guest;
 pub mod image;
 pub mod net;
 pub mod orchestrator;
+pub mod preflight;
+pub mod server;
 pub mod store;
 pub mod sys;
 pub mod util;

@@ -1,1 +1,275 @@
-//! (being written)
+//! The in-guest agent: boots the VM as PID 1 ([`boot`]) and serves the host's calls over
+//! the virtio-serial port (protocol in [`crate::agent::protocol`]).
+//!
+//! The serving side is transport-agnostic: [`AgentServer::serve`] reads frames from any
+//! byte stream, so tests run it over a unix socket pair on the host.
+
+pub mod boot;
+pub mod exec;
+pub mod files;
+pub mod reaper;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+
+use crate::agent::protocol::{
+    ErrorKind, Frame, FrameKind, FrameReader, Request, Response, PROTOCOL_VERSION,
+};
+use reaper::Reaper;
+
+/// Failures of one guest-side operation, reported to the host as an `Error` response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuestError {
+    NotFound(String),
+    InvalidPath(String),
+    Io(String),
+    Protocol(String),
+}
+
+impl GuestError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            GuestError::NotFound(_) => ErrorKind::NotFound,
+            GuestError::InvalidPath(_) => ErrorKind::InvalidPath,
+            GuestError::Io(_) => ErrorKind::Io,
+            GuestError::Protocol(_) => ErrorKind::Protocol,
+        }
+    }
+
+    fn message(&self) -> &str {
+        match self {
+            GuestError::NotFound(m)
+            | GuestError::InvalidPath(m)
+            | GuestError::Io(m)
+            | GuestError::Protocol(m) => m,
+        }
+    }
+}
+
+impl fmt::Display for GuestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl std::error::Error for GuestError {}
+
+/// Frames the demultiplexer routes to a running file transfer.
+#[derive(Debug)]
+pub enum StreamEvent {
+    Data(Vec<u8>),
+    End,
+    Credit(u32),
+    Cancel,
+    /// The host side of the channel went away.
+    Disconnected,
+}
+
+/// The shared, serialised writing half of the channel. Write errors are logged and
+/// dropped: the host may be gone (its next connection starts fresh).
+pub struct FrameSink {
+    writer: Mutex<Box<dyn Write + Send>>,
+}
+
+impl FrameSink {
+    pub fn new(writer: Box<dyn Write + Send>) -> FrameSink {
+        FrameSink {
+            writer: Mutex::new(writer),
+        }
+    }
+
+    pub fn send(&self, frame: &Frame) {
+        let mut w = self.writer.lock();
+        if let Err(e) = crate::agent::protocol::write_frame(&mut **w, frame) {
+            log::debug!("dropping frame id={} kind={:?}: {e}", frame.id, frame.kind);
+        }
+    }
+
+    pub fn response(&self, id: u64, response: &Response) {
+        self.send(&Frame::json(FrameKind::Response, id, response));
+    }
+
+    pub fn error(&self, id: u64, err: &GuestError) {
+        self.response(
+            id,
+            &Response::Error {
+                kind: err.kind(),
+                message: err.message().to_string(),
+            },
+        );
+    }
+}
+
+/// What to do when the channel reads end-of-file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnEof {
+    /// Return from `serve` (a socket connection ended).
+    Stop,
+    /// Wait and read again: on a virtio-serial port, EOF only means no host is connected
+    /// right now. The fd must stay open so the channel survives save/restore.
+    Retry,
+}
+
+/// Serves host calls over one byte stream.
+pub struct AgentServer {
+    reaper: Arc<Reaper>,
+    /// Set the guest clock on `set_time` (only as PID 1; tests must not touch the host's).
+    set_clock: bool,
+    sink: Arc<FrameSink>,
+    streams: Arc<Mutex<HashMap<u64, Sender<StreamEvent>>>>,
+}
+
+impl AgentServer {
+    pub fn new(reaper: Arc<Reaper>, set_clock: bool, writer: Box<dyn Write + Send>) -> Self {
+        AgentServer {
+            reaper,
+            set_clock,
+            sink: Arc::new(FrameSink::new(writer)),
+            streams: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Reads and dispatches frames until EOF (with [`OnEof::Stop`]) or forever.
+    pub fn serve(&self, reader: impl Read, on_eof: OnEof) {
+        let mut frames = FrameReader::new(reader);
+        loop {
+            match frames.read_frame() {
+                Ok(Some(frame)) => self.dispatch(frame),
+                Ok(None) => {
+                    self.disconnect_streams();
+                    if on_eof == OnEof::Stop {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    log::warn!("agent channel read failed: {e}");
+                    self.disconnect_streams();
+                    if on_eof == OnEof::Stop {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+
+    fn disconnect_streams(&self) {
+        for (_, tx) in self.streams.lock().drain() {
+            let _ = tx.send(StreamEvent::Disconnected);
+        }
+    }
+
+    fn dispatch(&self, frame: Frame) {
+        let event = match frame.kind {
+            FrameKind::Request => return self.start(frame.id, &frame.payload),
+            FrameKind::Data => StreamEvent::Data(frame.payload),
+            FrameKind::End => StreamEvent::End,
+            FrameKind::Credit => StreamEvent::Credit(frame.credit_bytes()),
+            FrameKind::Cancel => StreamEvent::Cancel,
+            FrameKind::Response => {
+                log::debug!("ignoring a response frame from the host id={}", frame.id);
+                return;
+            }
+        };
+        if let Some(tx) = self.streams.lock().get(&frame.id) {
+            let _ = tx.send(event);
+        }
+    }
+
+    fn start(&self, id: u64, payload: &[u8]) {
+        let request: Request = match serde_json::from_slice(payload) {
+            Ok(r) => r,
+            Err(e) => {
+                let err = GuestError::Protocol(format!("undecodable request: {e}"));
+                return self.sink.error(id, &err);
+            }
+        };
+        match request {
+            Request::Hello { .. } => self.sink.response(
+                id,
+                &Response::Hello {
+                    version: PROTOCOL_VERSION,
+                    agent: format!("agentenv-agent {}", env!("CARGO_PKG_VERSION")),
+                },
+            ),
+            Request::SetTime { unix_nanos } => {
+                if self.set_clock {
+                    if let Err(e) = crate::sys::guest::set_realtime(u128::from(unix_nanos)) {
+                        return self.sink.error(id, &GuestError::Io(e.to_string()));
+                    }
+                }
+                self.sink.response(id, &Response::Done);
+            }
+            Request::Exec(req) => {
+                let sink = self.sink.clone();
+                let reaper = self.reaper.clone();
+                self.spawn(id, "exec", move || match exec::run(&req, &reaper) {
+                    Ok(result) => sink.response(id, &Response::Exec(result)),
+                    Err(e) => sink.error(id, &e),
+                });
+            }
+            Request::ReadFile { path } => {
+                let (sink, events, guard) = self.open_stream(id);
+                self.spawn(id, "download", move || {
+                    files::download(&path, id, &events, &sink);
+                    drop(guard);
+                });
+            }
+            Request::WriteFile { path, len } => {
+                let (sink, events, guard) = self.open_stream(id);
+                self.spawn(id, "upload", move || {
+                    files::upload(&path, len, id, &events, &sink);
+                    drop(guard);
+                });
+            }
+        }
+    }
+
+    /// Registers the stream before the next frame is read, so its first credit or data
+    /// frame finds it.
+    fn open_stream(
+        &self,
+        id: u64,
+    ) -> (
+        Arc<FrameSink>,
+        crossbeam_channel::Receiver<StreamEvent>,
+        StreamGuard,
+    ) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        self.streams.lock().insert(id, tx);
+        let guard = StreamGuard {
+            streams: self.streams.clone(),
+            id,
+        };
+        (self.sink.clone(), rx, guard)
+    }
+
+    fn spawn(&self, id: u64, what: &str, f: impl FnOnce() + Send + 'static) {
+        let res = std::thread::Builder::new()
+            .name(format!("{what}-{id:x}"))
+            .spawn(f);
+        if let Err(e) = res {
+            let err = GuestError::Io(format!("cannot start a thread for {what}: {e}"));
+            self.sink.error(id, &err);
+        }
+    }
+}
+
+/// Unregisters a stream when its handler ends.
+struct StreamGuard {
+    streams: Arc<Mutex<HashMap<u64, Sender<StreamEvent>>>>,
+    id: u64,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.streams.lock().remove(&self.id);
+    }
+}

@@ -1,1 +1,379 @@
-//! (being written)
+//! The orchestrator: the sandbox registry, one supervisor thread per sandbox, expiry.
+//!
+//! API threads call the methods here. Lifecycle operations travel as [`Op`] messages to
+//! the sandbox's supervisor thread, which alone owns its QEMU process and network slot.
+//! Commands and file transfers go straight to the guest agent client; they are not
+//! lifecycle operations and run concurrently. No global lock is held across a VM
+//! operation, an image build or a slot allocation.
+
+mod error;
+mod expiry;
+mod metrics;
+mod sandbox;
+mod supervisor;
+
+pub use error::OrchError;
+pub use sandbox::{SandboxInfo, SandboxState};
+
+use crate::agent::{ExecRequest, ExecResult, FileDownload};
+use crate::config::Config;
+use crate::image::ImageStore;
+use crate::net::SlotManager;
+use crate::vm::Accel;
+use metrics::OperationCounters;
+use parking_lot::RwLock;
+use sandbox::{Op, SandboxEntry};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// A cold start request, already checked field by field by the API.
+#[derive(Debug, Clone)]
+pub struct ColdStart {
+    pub image: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub timeout_secs: u64,
+    pub auto_pause: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub custom_extension_params: serde_json::Value,
+}
+
+/// A command request from the API; the env is merged here.
+#[derive(Debug, Clone)]
+pub struct CommandRequest {
+    pub cmd: String,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub timeout_ms: u64,
+}
+
+/// The host's CPU count and memory, the upper bounds of `cpuCount` and `memoryMB`.
+pub struct HostLimits {
+    pub cpus: u32,
+    pub memory_mb: u64,
+}
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// State shared by the API threads, supervisors and the expiry thread.
+pub(crate) struct Shared {
+    pub config: Config,
+    pub slots: Arc<SlotManager>,
+    pub images: ImageStore,
+    pub accel: Accel,
+    pub sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
+    pub operations: OperationCounters,
+    pub shutting_down: AtomicBool,
+}
+
+impl Shared {
+    pub fn sandboxes_dir(&self) -> PathBuf {
+        self.config.server.state_dir.join("sandboxes")
+    }
+
+    /// Removes a sandbox from the registry; later calls see 404.
+    pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
+        self.sandboxes.write().remove(id)
+    }
+}
+
+pub struct Orchestrator {
+    shared: Arc<Shared>,
+}
+
+impl Orchestrator {
+    /// Builds the orchestrator and starts its expiry thread. The slot manager has done
+    /// its startup reclaim already.
+    pub fn start(config: Config, slots: Arc<SlotManager>, accel: Accel) -> Orchestrator {
+        let images = ImageStore::new(config.server.state_dir.join("images"));
+        let shared = Arc::new(Shared {
+            config,
+            slots,
+            images,
+            accel,
+            sandboxes: RwLock::new(HashMap::new()),
+            operations: OperationCounters::default(),
+            shutting_down: AtomicBool::new(false),
+        });
+        expiry::spawn(Arc::downgrade(&shared));
+        Orchestrator { shared }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    /// What one sandbox may ask for at most.
+    pub fn host_limits(&self) -> HostLimits {
+        HostLimits {
+            cpus: crate::sys::fs::online_cpus(),
+            memory_mb: crate::sys::fs::total_memory_mb(),
+        }
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shared.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn refuse_when_shutting_down(&self) -> Result<(), OrchError> {
+        if self.is_shutting_down() {
+            return Err(OrchError::Unavailable("server is shutting down".into()));
+        }
+        Ok(())
+    }
+
+    /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
+    pub fn create_cold(&self, req: ColdStart) -> Result<SandboxInfo, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let result = supervisor::create_cold(&self.shared, req);
+        self.shared.operations.record("create_cold", result.is_ok());
+        result
+    }
+
+    /// A visible sandbox's description.
+    pub fn get(&self, id: &str) -> Result<SandboxInfo, OrchError> {
+        let entry = self.entry(id)?;
+        let info = entry.info.lock().clone();
+        Ok(info)
+    }
+
+    /// Every visible sandbox.
+    pub fn list(&self) -> Vec<SandboxInfo> {
+        let entries: Vec<_> = self.shared.sandboxes.read().values().cloned().collect();
+        entries
+            .iter()
+            .map(|e| e.info.lock().clone())
+            .filter(|i| i.state.api_state().is_some())
+            .collect()
+    }
+
+    fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
+        let entry = self
+            .shared
+            .sandboxes
+            .read()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| OrchError::sandbox_not_found(id))?;
+        if entry.info.lock().state.api_state().is_none() {
+            return Err(OrchError::sandbox_not_found(id));
+        }
+        Ok(entry)
+    }
+
+    /// `DELETE /sandboxes/{id}`: invisible at once, then the supervisor tears down.
+    pub fn delete(&self, id: &str) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        let result = delete(&self.shared, id);
+        self.shared.operations.record("delete", result.is_ok());
+        result
+    }
+
+    /// `POST …/timeout` (`shorten = true`) and `POST …/refreshes` (`shorten = false`).
+    pub fn set_timeout(&self, id: &str, secs: u64, shorten: bool) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        let entry = self.entry(id)?;
+        let mut info = entry.info.lock();
+        let new_end = SystemTime::now() + Duration::from_secs(secs);
+        if shorten || new_end > info.end_at {
+            info.end_at = new_end;
+        }
+        Ok(())
+    }
+
+    /// `POST …/connect` and `…/resume` on a running sandbox: no hooks, TTL only.
+    /// `extend_only` keeps the later expiry (connect); otherwise the timeout is reset.
+    pub fn connect_running(
+        &self,
+        id: &str,
+        secs: u64,
+        extend_only: bool,
+    ) -> Result<SandboxInfo, OrchError> {
+        self.set_timeout(id, secs, !extend_only)?;
+        self.get(id)
+    }
+
+    /// Stored extension params, `{}` when empty.
+    pub fn custom_extension_params(&self, id: &str) -> Result<serde_json::Value, OrchError> {
+        Ok(self.get(id)?.custom_extension_params)
+    }
+
+    /// `POST …/commands`.
+    pub fn run_command(&self, id: &str, req: CommandRequest) -> Result<ExecResult, OrchError> {
+        let entry = self.entry(id)?;
+        let limit = self.shared.config.agent.max_concurrent_commands;
+        let _slot = CommandPermit::take(&entry, limit)?;
+        let env = {
+            let info = entry.info.lock();
+            merged_env(&info.image_env, &info.env_vars, &req.env)
+        };
+        let exec = ExecRequest {
+            cmd: req.cmd,
+            args: req.args,
+            env,
+            cwd: req.cwd,
+            timeout_ms: req.timeout_ms,
+            max_output_bytes: self.shared.config.agent.max_output_bytes,
+        };
+        Ok(entry.agent.exec(&exec)?)
+    }
+
+    /// `GET …/files`.
+    pub fn read_file(&self, id: &str, path: &str) -> Result<FileDownload, OrchError> {
+        let entry = self.entry(id)?;
+        Ok(entry.agent.read_file(path)?)
+    }
+
+    /// `PUT …/files`.
+    pub fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        len: u64,
+        body: &mut dyn std::io::Read,
+    ) -> Result<(), OrchError> {
+        let entry = self.entry(id)?;
+        Ok(entry.agent.write_file(path, len, body)?)
+    }
+
+    /// Prometheus text for `GET /metrics`.
+    pub fn render_metrics(&self) -> String {
+        let mut out = String::new();
+        let running = self.list().len();
+        metrics::render_state_gauge(
+            &mut out,
+            "agentenv_sandboxes",
+            "Sandboxes by API state.",
+            &[("running", running), ("paused", 0)],
+        );
+        self.shared.operations.render(&mut out);
+        let slots = self.shared.slots.stats();
+        metrics::render_state_gauge(
+            &mut out,
+            "agentenv_network_slots",
+            "Network slots in use and waiting in the pool.",
+            &[("in_use", slots.in_use), ("pooled", slots.pooled)],
+        );
+        out
+    }
+
+    /// Graceful shutdown: refuse new work, stop every sandbox, release the network.
+    /// Until pause exists, running sandboxes are deleted.
+    pub fn shutdown(&self) {
+        self.shared.shutting_down.store(true, Ordering::SeqCst);
+        let ids: Vec<String> = self.shared.sandboxes.read().keys().cloned().collect();
+        log::info!("op=shutdown sandboxes={}", ids.len());
+        let handles: Vec<_> = ids
+            .into_iter()
+            .map(|id| {
+                let shared = self.shared.clone();
+                std::thread::spawn(move || {
+                    let _ = delete(&shared, &id);
+                })
+            })
+            .collect();
+        for h in handles {
+            let _ = h.join();
+        }
+        self.shared.slots.shutdown();
+    }
+}
+
+/// Deletes one sandbox: unregister first (so it disappears), then let its supervisor
+/// tear everything down and wait for it.
+pub(crate) fn delete(shared: &Shared, id: &str) -> Result<(), OrchError> {
+    let entry = {
+        let mut map = shared.sandboxes.write();
+        match map.get(id) {
+            Some(e) if e.info.lock().state.can_become(SandboxState::Deleting) => {
+                map.remove(id).expect("present")
+            }
+            _ => return Err(OrchError::sandbox_not_found(id)),
+        }
+    };
+    entry.info.lock().state = SandboxState::Deleting;
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    if entry.ops.send(Op::Delete { reply: tx }).is_ok() {
+        // The supervisor answers once the VM is gone and the slot released; if it has
+        // already exited on its own (VM died), the channel is closed and there is nothing
+        // left to do.
+        let _ = rx.recv();
+    }
+    log::info!("sandboxId={id} op=delete result=ok");
+    Ok(())
+}
+
+/// Image env, then sandbox env, then request env; later wins. PATH defaults.
+fn merged_env(
+    image: &[(String, String)],
+    sandbox: &BTreeMap<String, String>,
+    request: &BTreeMap<String, String>,
+) -> Vec<(String, String)> {
+    let mut merged: BTreeMap<String, String> = BTreeMap::new();
+    merged.insert("PATH".into(), DEFAULT_PATH.into());
+    let image = image.iter().map(|(k, v)| (k, v));
+    for (k, v) in image.chain(sandbox).chain(request) {
+        merged.insert(k.clone(), v.clone());
+    }
+    merged.into_iter().collect()
+}
+
+/// Counts a running command against the per-sandbox limit for as long as it lives.
+struct CommandPermit<'a> {
+    entry: &'a SandboxEntry,
+}
+
+impl<'a> CommandPermit<'a> {
+    fn take(entry: &'a SandboxEntry, limit: u32) -> Result<CommandPermit<'a>, OrchError> {
+        let previous = entry.running_commands.fetch_add(1, Ordering::SeqCst);
+        let permit = CommandPermit { entry };
+        if previous >= limit {
+            return Err(OrchError::TooMany(format!(
+                "{limit} commands are already running in this sandbox (agent.max_concurrent_commands)"
+            )));
+        }
+        Ok(permit)
+    }
+}
+
+impl Drop for CommandPermit<'_> {
+    fn drop(&mut self) {
+        self.entry.running_commands.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_merge_order_and_default_path() {
+        let image = vec![("A".to_string(), "image".to_string())];
+        let sandbox = BTreeMap::from([("A".to_string(), "sandbox".to_string())]);
+        let request = BTreeMap::from([("B".to_string(), "req".to_string())]);
+        let env = merged_env(&image, &sandbox, &request);
+        assert!(env.contains(&("A".into(), "sandbox".into())));
+        assert!(env.contains(&("B".into(), "req".into())));
+        assert!(env.contains(&("PATH".into(), DEFAULT_PATH.into())));
+        let image = vec![("PATH".to_string(), "/x".to_string())];
+        let env = merged_env(&image, &BTreeMap::new(), &BTreeMap::new());
+        assert!(env.contains(&("PATH".into(), "/x".into())));
+    }
+
+    #[test]
+    fn state_transitions() {
+        use SandboxState::*;
+        assert!(Creating.can_become(Running));
+        assert!(Running.can_become(Deleting));
+        assert!(!Deleting.can_become(Running));
+        assert!(!Deleting.can_become(Deleting));
+        assert_eq!(Running.api_state(), Some("running"));
+        assert_eq!(Creating.api_state(), None);
+    }
+}

@@ -1,1 +1,91 @@
-//! (being written)
+//! File-level host calls: exclusive lock files, directory fsync, kernel randomness.
+
+use super::{check, SysError, SysResult};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// An exclusive `flock` held for as long as the value lives.
+pub struct LockFile {
+    _file: File,
+}
+
+/// Takes `flock(LOCK_EX|LOCK_NB)` on `path`, creating it. `Ok(None)` when another process
+/// holds it.
+pub fn try_lock_exclusive(path: &Path) -> SysResult<Option<LockFile>> {
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| SysError::from_io(format!("open {}", path.display()), e))?;
+    // SAFETY: flock on a valid, owned file descriptor; no memory is passed.
+    let ret = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if ret < 0 {
+        let err = SysError::last(format!("flock {}", path.display()));
+        if err.errno() == Some(libc::EWOULDBLOCK) {
+            return Ok(None);
+        }
+        return Err(err);
+    }
+    Ok(Some(LockFile { _file: file }))
+}
+
+/// fsyncs a directory so that a rename or unlink inside it is durable.
+pub fn fsync_dir(dir: &Path) -> SysResult<()> {
+    let f = File::open(dir).map_err(|e| SysError::from_io(format!("open {}", dir.display()), e))?;
+    f.sync_all()
+        .map_err(|e| SysError::from_io(format!("fsync {}", dir.display()), e))
+}
+
+/// Fills `buf` from the kernel's CSPRNG.
+pub fn random_bytes(buf: &mut [u8]) -> SysResult<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the pointer and length describe the writable tail of `buf`.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let err = SysError::last("getrandom");
+            if err.errno() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(err);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// Whether the process runs with effective uid 0.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Number of online CPUs.
+pub fn online_cpus() -> u32 {
+    // SAFETY: sysconf with a valid name has no memory effects.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    check(n as libc::c_int, || "sysconf".into())
+        .map(|n| n.max(1) as u32)
+        .unwrap_or(1)
+}
+
+/// Physical memory in MiB.
+pub fn total_memory_mb() -> u64 {
+    // SAFETY: sysconf with valid names has no memory effects.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || size <= 0 {
+        return 0;
+    }
+    (pages as u64 * size as u64) >> 20
+}

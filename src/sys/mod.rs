@@ -12,6 +12,7 @@ pub mod guest;
 pub mod netlink;
 pub mod netns;
 pub mod process;
+pub mod signals;
 pub mod tun;
 
 /// A failed system call: which operation, and the OS error it returned.

@@ -1,0 +1,39 @@
+#!/bin/sh
+# Builds the guest initramfs: /init = the static agent, plus the virtio modules it loads
+# (in /lib/modules/order's order) before the root disk and the NIC exist.
+#
+# usage: build-initramfs.sh <agent-binary> <kernel-modules-dir (.../lib/modules/VER)> <out.cpio>
+set -eu
+
+if [ "$#" -ne 3 ]; then
+    echo "usage: $0 <agent-binary> <kernel-modules-dir> <out.cpio>" >&2
+    exit 2
+fi
+agent=$1
+moddir=$2
+out=$3
+modules="virtio_ring virtio virtio_mmio virtio_blk failover net_failover virtio_net virtio_console"
+
+[ -f "$agent" ] || { echo "agent binary $agent not found" >&2; exit 1; }
+[ -d "$moddir" ] || { echo "modules dir $moddir not found" >&2; exit 1; }
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/lib/modules" "$stage/dev" "$stage/proc" "$stage/sys" "$stage/newroot"
+install -m 0755 "$agent" "$stage/init"
+: > "$stage/lib/modules/order"
+for m in $modules; do
+    ko=$(find "$moddir" -name "$m.ko" -type f | head -n 1)
+    if [ -z "$ko" ]; then
+        echo "module $m.ko not found under $moddir (compressed modules are not supported)" >&2
+        exit 1
+    fi
+    install -m 0644 "$ko" "$stage/lib/modules/$m.ko"
+    echo "$m" >> "$stage/lib/modules/order"
+done
+
+# Explicit, sorted file list; paths are relative to the staging dir.
+tmp_out="$out.tmp.$$"
+(cd "$stage" && find . -mindepth 1 | sed "s|^\./||" | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) > "$tmp_out"
+mv "$tmp_out" "$out"
+echo "wrote $out ($(wc -c < "$out") bytes)" >&2

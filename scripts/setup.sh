@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Sets up a Debian 12 (bookworm) host for agentenv. Idempotent; run as root.
+#  1. apt packages: QEMU >= 10 from bookworm-backports (the source is added when missing),
+#     nftables, e2fsprogs, busybox-static, cpio, lz4
+#  2. the guest kernel from Debian's linux-image-cloud-amd64, unpacked into the assets dir
+#     (never installed as the host's kernel)
+#  3. the release server binary and the static in-guest agent
+#  4. the guest initramfs (agent as /init + virtio modules)
+#  5. the built-in base image (busybox) as an OCI layout
+# Assets go to $AENV_ASSETS_DIR (default /var/lib/agentenv/assets, the config default).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PATH="$HOME/.cargo/bin:$PATH"
+ASSETS=${AENV_ASSETS_DIR:-/var/lib/agentenv/assets}
+AGENT_TARGET=x86_64-unknown-linux-gnu
+
+step() { printf '==> %s\n' "$*"; }
+die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (it installs packages and writes $ASSETS)"
+command -v cargo >/dev/null || die "cargo not found: install a Rust toolchain (rustup) first"
+
+qemu_major() {
+  qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\).*/\1/p'
+}
+
+step "apt packages"
+export DEBIAN_FRONTEND=noninteractive
+if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  step "adding the bookworm-backports apt source"
+  cat > /etc/apt/sources.list.d/agentenv-backports.sources <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+need=()
+for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
+done
+major=$(qemu_major || true)
+if [ "${#need[@]}" -gt 0 ] || [ -z "$major" ] || [ "$major" -lt 10 ]; then
+  apt-get update -qq || die "apt-get update failed"
+fi
+if [ -z "$major" ] || [ "$major" -lt 10 ]; then
+  apt-get install -y -qq -t bookworm-backports --no-install-recommends qemu-system-x86 \
+    || die "cannot install qemu-system-x86 from bookworm-backports"
+fi
+if [ "${#need[@]}" -gt 0 ]; then
+  apt-get install -y -qq --no-install-recommends "${need[@]}" || die "cannot install ${need[*]}"
+fi
+step "QEMU: $(qemu-system-x86_64 --version | head -1)"
+
+step "guest kernel into $ASSETS"
+mkdir -p "$ASSETS"
+"$ROOT/scripts/fetch-kernel.sh" "$ASSETS"
+
+step "building the server (release)"
+(cd "$ROOT" && cargo build --release --bin agentenv)
+
+step "building the static guest agent"
+(cd "$ROOT" && RUSTFLAGS='-C target-feature=+crt-static' \
+  cargo build --release --bin agentenv-agent --target "$AGENT_TARGET")
+AGENT="$ROOT/target/$AGENT_TARGET/release/agentenv-agent"
+[ -x "$AGENT" ] || die "agent binary missing at $AGENT"
+
+step "guest initramfs"
+"$ROOT/scripts/build-initramfs.sh" "$AGENT" "$ASSETS/modules" "$ASSETS/initramfs.cpio.tmp"
+mv -f "$ASSETS/initramfs.cpio.tmp" "$ASSETS/initramfs.cpio"
+
+step "built-in base image"
+rm -rf "$ASSETS/base-image.tmp"
+"$ROOT/target/release/agentenv" build-base-image --out "$ASSETS/base-image.tmp" --busybox /bin/busybox
+rm -rf "$ASSETS/base-image"
+mv "$ASSETS/base-image.tmp" "$ASSETS/base-image"
+
+step "done: assets in $ASSETS"
+ls -la "$ASSETS"
+cat <<MSG
+
+Start the server on the embedded defaults:
+  sudo $ROOT/target/release/agentenv serve
+Create a sandbox from the built-in base image:
+  curl -s -X POST http://127.0.0.1:8000/sandboxes-cold -H "X-API-Key: \$(sudo cat /var/lib/agentenv/api-key)" \\
+       -H 'Content-Type: application/json' -d '{"image": "oci:$ASSETS/base-image"}'
+MSG

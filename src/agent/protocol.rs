@@ -1,0 +1,329 @@
+//! The host↔guest wire protocol, shared by the host client and the in-guest agent.
+//!
+//! One byte stream (the virtio-serial port) carries frames:
+//!
+//! ```text
+//! magic "AE" (2) | kind (1) | reserved 0 (1) | id u64 LE (8) | len u32 LE (4) | payload (len)
+//! ```
+//!
+//! Every call has an `id` chosen by the host; frames of different calls interleave freely.
+//! - `Request` (host→guest, JSON [`Request`]) opens a call.
+//! - `Response` (guest→host, JSON [`Response`]) answers it. It is final, except
+//!   [`Response::FileOpened`] and [`Response::UploadReady`], which start a data stream.
+//! - `Data` carries at most [`MAX_CHUNK`] raw bytes of a file stream, `End` closes it.
+//! - `Credit` (u32 LE) lets the other side send that many more data bytes: both directions
+//!   are flow-controlled per call, so a large transfer never blocks the demultiplexer or
+//!   other calls, and no side buffers more than [`STREAM_WINDOW`] per stream.
+//! - `Cancel` (host→guest) abandons a stream.
+//!
+//! Sequences: `Hello`/`SetTime`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
+//! (host sends `Credit`s) → `Data`… → `End`, or an `Error` response at any point.
+//! `WriteFile` → `UploadReady` + `Credit` → host sends `Data`… `End` → `Done` or `Error`.
+//!
+//! A reader that sees a bad magic or an oversized length skips ahead to the next magic, so a
+//! peer that reconnects in the middle of a frame resynchronises.
+
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+use super::ExecRequest;
+use super::ExecResult;
+
+/// Bumped on any incompatible change; checked by `Hello`.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest `Data` payload.
+pub const MAX_CHUNK: usize = 64 * 1024;
+/// Bytes a receiver lets the sender have in flight per stream.
+pub const STREAM_WINDOW: u32 = 16 * MAX_CHUNK as u32;
+/// Largest payload of any frame (an exec result holds two capped, JSON-escaped streams).
+pub const MAX_PAYLOAD: u32 = 64 * 1024 * 1024;
+
+const MAGIC: [u8; 2] = *b"AE";
+const HEADER_LEN: usize = 16;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    Request = 1,
+    Response = 2,
+    Data = 3,
+    End = 4,
+    Credit = 5,
+    Cancel = 6,
+}
+
+impl FrameKind {
+    fn from_byte(b: u8) -> Option<FrameKind> {
+        Some(match b {
+            1 => FrameKind::Request,
+            2 => FrameKind::Response,
+            3 => FrameKind::Data,
+            4 => FrameKind::End,
+            5 => FrameKind::Credit,
+            6 => FrameKind::Cancel,
+            _ => return None,
+        })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameKind,
+    pub id: u64,
+    pub payload: Vec<u8>,
+}
+
+impl Frame {
+    pub fn new(kind: FrameKind, id: u64, payload: Vec<u8>) -> Frame {
+        Frame { kind, id, payload }
+    }
+
+    pub fn json<T: Serialize>(kind: FrameKind, id: u64, body: &T) -> Frame {
+        // Serializing our own plain enums cannot fail.
+        let payload = serde_json::to_vec(body).unwrap_or_default();
+        Frame { kind, id, payload }
+    }
+
+    pub fn credit(id: u64, bytes: u32) -> Frame {
+        Frame::new(FrameKind::Credit, id, bytes.to_le_bytes().to_vec())
+    }
+
+    /// The credit amount of a `Credit` frame (0 when malformed).
+    pub fn credit_bytes(&self) -> u32 {
+        self.payload
+            .get(..4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .unwrap_or(0)
+    }
+
+    /// Encodes header and payload into one buffer, so one `write_all` puts it on the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + self.payload.len());
+        out.extend_from_slice(&MAGIC);
+        out.push(self.kind as u8);
+        out.push(0);
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&(self.payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.payload);
+        out
+    }
+}
+
+/// Writes one whole frame.
+pub fn write_frame(w: &mut dyn Write, frame: &Frame) -> io::Result<()> {
+    w.write_all(&frame.encode())?;
+    w.flush()
+}
+
+/// Incremental decoder: feed bytes as they arrive, take complete frames out.
+#[derive(Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    /// Bytes skipped while looking for a frame start since the last good frame.
+    pub skipped: u64,
+}
+
+impl FrameDecoder {
+    pub fn new() -> FrameDecoder {
+        FrameDecoder::default()
+    }
+
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Drops any partial frame (the peer went away mid-frame).
+    pub fn reset(&mut self) {
+        self.buf.clear();
+    }
+
+    /// The next complete frame, if one is buffered. Garbage before it is skipped.
+    pub fn next_frame(&mut self) -> Option<Frame> {
+        loop {
+            if self.buf.len() < HEADER_LEN {
+                self.drop_garbage_prefix();
+                return None;
+            }
+            let kind = FrameKind::from_byte(self.buf[2]);
+            let len = u32::from_le_bytes([self.buf[12], self.buf[13], self.buf[14], self.buf[15]]);
+            if self.buf[..2] != MAGIC || kind.is_none() || self.buf[3] != 0 || len > MAX_PAYLOAD {
+                self.buf.drain(..1);
+                self.skipped += 1;
+                continue;
+            }
+            let total = HEADER_LEN + len as usize;
+            if self.buf.len() < total {
+                return None;
+            }
+            let id = u64::from_le_bytes(self.buf[4..12].try_into().unwrap_or([0; 8]));
+            let payload = self.buf[HEADER_LEN..total].to_vec();
+            self.buf.drain(..total);
+            return Some(Frame {
+                kind: kind?,
+                id,
+                payload,
+            });
+        }
+    }
+
+    /// With less than a header buffered, drop bytes that cannot start a frame.
+    fn drop_garbage_prefix(&mut self) {
+        while let Some(&b) = self.buf.first() {
+            let ok = match self.buf.len() {
+                1 => b == MAGIC[0],
+                _ => self.buf[..2] == MAGIC,
+            };
+            if ok {
+                break;
+            }
+            self.buf.drain(..1);
+            self.skipped += 1;
+        }
+    }
+}
+
+/// Blocking frame reader over any byte stream.
+pub struct FrameReader<R> {
+    inner: R,
+    decoder: FrameDecoder,
+    chunk: Vec<u8>,
+}
+
+impl<R: Read> FrameReader<R> {
+    pub fn new(inner: R) -> FrameReader<R> {
+        FrameReader {
+            inner,
+            decoder: FrameDecoder::new(),
+            chunk: vec![0; 128 * 1024],
+        }
+    }
+
+    /// The next frame; `Ok(None)` at end of stream.
+    pub fn read_frame(&mut self) -> io::Result<Option<Frame>> {
+        loop {
+            if let Some(frame) = self.decoder.next_frame() {
+                return Ok(Some(frame));
+            }
+            let n = match self.inner.read(&mut self.chunk) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if n == 0 {
+                self.decoder.reset();
+                return Ok(None);
+            }
+            self.decoder.push(&self.chunk[..n]);
+        }
+    }
+}
+
+/// Host → guest call openers.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Hello { version: u32 },
+    SetTime { unix_nanos: u64 },
+    Exec(ExecRequest),
+    ReadFile { path: String },
+    WriteFile { path: String, len: u64 },
+}
+
+/// Guest-side failure classes, mapped to [`super::AgentError`] on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    NotFound,
+    InvalidPath,
+    Io,
+    Protocol,
+}
+
+/// Guest → host answers.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Response {
+    Hello { version: u32, agent: String },
+    Done,
+    Exec(ExecResult),
+    FileOpened { size: u64 },
+    UploadReady,
+    Error { kind: ErrorKind, message: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(dec: &mut FrameDecoder) -> Vec<Frame> {
+        std::iter::from_fn(|| dec.next_frame()).collect()
+    }
+
+    #[test]
+    fn round_trip_byte_by_byte() {
+        let a = Frame::new(FrameKind::Data, 7, vec![1, 2, 3]);
+        let b = Frame::credit(u64::MAX, 65536);
+        let c = Frame::new(FrameKind::End, 9, vec![]);
+        let mut wire = a.encode();
+        wire.extend(b.encode());
+        wire.extend(c.encode());
+        let mut dec = FrameDecoder::new();
+        let mut got = vec![];
+        for byte in wire {
+            dec.push(&[byte]);
+            got.extend(frames(&mut dec));
+        }
+        assert_eq!(got, vec![a, b.clone(), c]);
+        assert_eq!(b.credit_bytes(), 65536);
+        assert_eq!(dec.skipped, 0);
+    }
+
+    #[test]
+    fn resyncs_after_garbage_and_truncated_frame() {
+        let good = Frame::json(FrameKind::Request, 3, &Request::Hello { version: 1 });
+        let mut wire = b"xxAEgarbage".to_vec();
+        // A header announcing an oversized payload must be skipped too.
+        let mut bogus = Frame::new(FrameKind::Data, 1, vec![]).encode();
+        bogus[12..16].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
+        wire.extend(bogus);
+        wire.extend(good.encode());
+        let mut dec = FrameDecoder::new();
+        dec.push(&wire);
+        assert_eq!(frames(&mut dec), vec![good]);
+        assert!(dec.skipped > 0);
+    }
+
+    #[test]
+    fn reset_drops_partial_frame() {
+        let f = Frame::new(FrameKind::Data, 1, vec![5; 100]);
+        let enc = f.encode();
+        let mut dec = FrameDecoder::new();
+        dec.push(&enc[..50]);
+        assert!(dec.next_frame().is_none());
+        dec.reset();
+        dec.push(&enc);
+        assert_eq!(dec.next_frame(), Some(f));
+    }
+
+    #[test]
+    fn reader_reports_eof() {
+        let f = Frame::new(FrameKind::Cancel, 2, vec![]);
+        let wire = f.encode();
+        let mut r = FrameReader::new(&wire[..]);
+        assert_eq!(r.read_frame().unwrap(), Some(f));
+        assert_eq!(r.read_frame().unwrap(), None);
+    }
+
+    #[test]
+    fn request_json_shape() {
+        let req = Request::WriteFile {
+            path: "/a".into(),
+            len: 3,
+        };
+        let f = Frame::json(FrameKind::Request, 1, &req);
+        let back: Request = serde_json::from_slice(&f.payload).unwrap();
+        assert!(matches!(back, Request::WriteFile { len: 3, .. }));
+    }
+}

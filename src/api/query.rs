@@ -1,0 +1,95 @@
+//! Query strings: percent-decoding and the list filters of api.md §4.4–4.5.
+
+use super::error::ApiError;
+use std::collections::BTreeMap;
+
+/// Splits `a=b&c=d` into decoded pairs, in order.
+pub fn parse(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+/// Percent-decoding with `+` as space; invalid escapes are kept as they are.
+pub fn decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => match (hex_digit(bytes[i + 1]), hex_digit(bytes[i + 2]))
+            {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn hex_digit(b: u8) -> Option<u8> {
+    (b as char).to_digit(16).map(|d| d as u8)
+}
+
+/// The `metadata` filter: a URL-encoded `k=v&k2=v2`, every pair must match.
+pub fn metadata_filter(value: &str) -> BTreeMap<String, String> {
+    parse(value).into_iter().collect()
+}
+
+/// The first value of `key`.
+pub fn get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// `limit`: 1..=100.
+pub fn limit(pairs: &[(String, String)]) -> Result<Option<usize>, ApiError> {
+    match get(pairs, "limit") {
+        None => Ok(None),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=100).contains(&n) => Ok(Some(n)),
+            _ => Err(ApiError::bad_request(
+                "limit must be an integer within 1..=100",
+            )),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding() {
+        assert_eq!(decode("a%3Db%26c"), "a=b&c");
+        assert_eq!(decode("a+b"), "a b");
+        assert_eq!(decode("100%"), "100%");
+        assert_eq!(decode("%zz"), "%zz");
+        let pairs = parse("metadata=team%3Dai%26env%3Dprod&limit=5");
+        assert_eq!(get(&pairs, "limit"), Some("5"));
+        let m = metadata_filter(get(&pairs, "metadata").unwrap());
+        assert_eq!(m.get("team").unwrap(), "ai");
+        assert_eq!(m.get("env").unwrap(), "prod");
+    }
+
+    #[test]
+    fn limits() {
+        assert_eq!(limit(&parse("limit=0")).unwrap_err().status, 400);
+        assert_eq!(limit(&parse("limit=101")).unwrap_err().status, 400);
+        assert_eq!(limit(&parse("limit=x")).unwrap_err().status, 400);
+        assert_eq!(limit(&parse("limit=100")).unwrap(), Some(100));
+    }
+}

@@ -1,0 +1,525 @@
+//! Routing and the endpoint handlers of api.md §4.
+
+use super::body::{check_env, read_json, Fields};
+use super::{models, query, ApiError, Context, Reply};
+use crate::orchestrator::{ColdStart, CommandRequest, SandboxInfo};
+use crate::util::is_uuid;
+use serde_json::{json, Value};
+use std::io::Read;
+use tiny_http::{Method, Request};
+
+/// Longest timeout a sandbox may have, in seconds (one year).
+const MAX_TIMEOUT_SECS: u64 = 31_536_000;
+
+pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let url = req.url().to_string();
+    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let method = req.method().clone();
+    let allow = |methods: &[&str]| Err(ApiError::method_not_allowed(methods));
+    match (segments.as_slice(), &method) {
+        (["health"], Method::Get) => health(ctx),
+        (["health"], _) => allow(&["GET"]),
+        (["metrics"], Method::Get) => Ok(Reply::Text {
+            content_type: "text/plain; version=0.0.4",
+            body: ctx.orchestrator.render_metrics(),
+        }),
+        (["metrics"], _) => allow(&["GET"]),
+        (["sandboxes"], Method::Post) => create_from_template(ctx, req),
+        (["sandboxes"], Method::Get) => list_running(ctx, query),
+        (["sandboxes"], _) => allow(&["GET", "POST"]),
+        (["sandboxes-cold"], Method::Post) => create_cold(ctx, req),
+        (["sandboxes-cold"], _) => allow(&["POST"]),
+        (["v2", "sandboxes"], Method::Get) => list_v2(ctx, query),
+        (["v2", "sandboxes"], _) => allow(&["GET"]),
+        (["sandboxes", id, rest @ ..], _) => sandbox_route(ctx, req, id, rest, &method, query),
+        _ => Err(ApiError::not_found(format!("no such endpoint: {path}"))),
+    }
+}
+
+fn sandbox_route(
+    ctx: &Context,
+    req: &mut Request,
+    id: &str,
+    rest: &[&str],
+    method: &Method,
+    query: &str,
+) -> Result<Reply, ApiError> {
+    let allow = |methods: &[&str]| Err(ApiError::method_not_allowed(methods));
+    let known = matches!(
+        rest,
+        [] | ["timeout"]
+            | ["refreshes"]
+            | ["connect"]
+            | ["resume"]
+            | ["pause"]
+            | ["commands"]
+            | ["files"]
+            | ["custom-extension-params"]
+    );
+    if !known {
+        return Err(ApiError::not_found("no such endpoint"));
+    }
+    match (rest, method) {
+        ([], Method::Get) => get_sandbox(ctx, id),
+        ([], Method::Delete) => delete_sandbox(ctx, id),
+        ([], _) => allow(&["GET", "DELETE"]),
+        (["timeout"], Method::Post) => set_timeout(ctx, req, id, true),
+        (["refreshes"], Method::Post) => set_timeout(ctx, req, id, false),
+        (["connect"], Method::Post) => connect(ctx, req, id, true),
+        (["resume"], Method::Post) => connect(ctx, req, id, false),
+        (["pause"], Method::Post) => pause(ctx, req, id),
+        (["commands"], Method::Post) => run_command(ctx, req, id),
+        (["files"], Method::Get) => download(ctx, id, query),
+        (["files"], Method::Put) => upload(ctx, req, id, query),
+        (["files"], _) => allow(&["GET", "PUT"]),
+        (["custom-extension-params"], Method::Get) => get_params(ctx, id),
+        (["custom-extension-params"], Method::Patch) => patch_params(ctx, req, id),
+        (["custom-extension-params"], _) => allow(&["GET", "PATCH"]),
+        _ => allow(&["POST"]),
+    }
+}
+
+fn body(ctx: &Context, req: &mut Request) -> Result<Fields, ApiError> {
+    let content_type = req
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv("Content-Type"))
+        .map(|h| h.value.as_str().to_string());
+    let length = req.body_length();
+    read_json(
+        length,
+        content_type.as_deref(),
+        req.as_reader(),
+        ctx.orchestrator.config().server.max_body_bytes,
+    )
+}
+
+/// A `{id}` that is not a UUID is as unknown as an unknown id (api.md §1.5).
+fn checked_id(id: &str) -> Result<&str, ApiError> {
+    if is_uuid(id) {
+        Ok(id)
+    } else {
+        Err(ApiError::not_found(format!("sandbox {id} not found")))
+    }
+}
+
+fn envd(ctx: &Context) -> &str {
+    &ctx.orchestrator.config().api.envd_version
+}
+
+fn health(ctx: &Context) -> Result<Reply, ApiError> {
+    if ctx.orchestrator.is_shutting_down() {
+        return Err(ApiError::new(503, "server is shutting down"));
+    }
+    Ok(Reply::Empty(204))
+}
+
+/// Fields every create request rejects (api.md §4.2, §4.3).
+fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
+    if f.has("extraBootArgs") {
+        return Err(ApiError::bad_request(
+            "extraBootArgs cannot be set by API clients; only the custom extension's start-fresh answer sets boot arguments",
+        ));
+    }
+    if let Some(Value::Object(net)) = f.raw("network") {
+        let non_empty = |k: &str| match net.get(k) {
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(Value::Null) | None => false,
+            Some(_) => true,
+        };
+        if non_empty("allowOut") || non_empty("denyOut") {
+            return Err(ApiError::bad_request(
+                "network.allowOut and network.denyOut are not supported; outbound access is set by [network] outbound",
+            ));
+        }
+    }
+    if let Some(Value::Object(ar)) = f.raw("autoResume") {
+        if ar.get("enabled") == Some(&Value::Bool(true)) {
+            return Err(ApiError::bad_request(
+                "autoResume.enabled: true is not supported",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `customExtensionParams` (CE §10.2): object or null; non-empty needs an extension.
+fn extension_params(f: &Fields) -> Result<Value, ApiError> {
+    match f.raw("customExtensionParams") {
+        None | Some(Value::Null) => Ok(json!({})),
+        Some(Value::Object(m)) if m.is_empty() => Ok(json!({})),
+        Some(Value::Object(_)) => Err(ApiError::bad_request(
+            "customExtensionParams given but no custom extension is configured ([custom_extension].url is unset)",
+        )),
+        Some(_) => Err(ApiError::unprocessable(
+            "field customExtensionParams must be an object or null",
+        )),
+    }
+}
+
+/// `allowInternetAccess` / `allow_internet_access` (network.md §5.4).
+fn internet_access(ctx: &Context, f: &Fields) -> Result<(), ApiError> {
+    let wanted = match f.bool("allowInternetAccess")? {
+        Some(v) => Some(v),
+        None => f.bool("allow_internet_access")?,
+    };
+    if wanted == Some(true) && !ctx.orchestrator.config().network.outbound {
+        return Err(ApiError::bad_request(
+            "outbound access is disabled on this server",
+        ));
+    }
+    Ok(())
+}
+
+fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let template = f.required_str("templateID")?.to_string();
+    f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?;
+    f.bool("autoPause")?;
+    f.string_map("metadata")?;
+    check_env("envVars", &f.string_map("envVars")?)?;
+    reject_unsupported(&f)?;
+    internet_access(ctx, &f)?;
+    // No snapshot or template exists until snapshots land, so every lookup fails here.
+    Err(ApiError::bad_request(format!(
+        "template {template} not found"
+    )))
+}
+
+fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let cfg = ctx.orchestrator.config();
+    let image = f.required_str("image")?.trim().to_string();
+    if image.is_empty() {
+        return Err(ApiError::bad_request("image must not be empty"));
+    }
+    let host = ctx.orchestrator.host_limits();
+    let cpus = host.cpus as u64;
+    let cpu_count = f
+        .int_in("cpuCount", 1..=cpus)?
+        .unwrap_or(cfg.vm.default_cpu_count as u64) as u32;
+    let memory_mb = f
+        .int_in("memoryMB", 128..=host.memory_mb.max(128))?
+        .unwrap_or(cfg.vm.default_memory_mb as u64) as u32;
+    let disk_size_mb = f
+        .int_in("diskSizeMB", 1024..=u32::MAX as u64)?
+        .unwrap_or(cfg.vm.default_disk_size_mb as u64);
+    if !disk_size_mb.is_multiple_of(1024) {
+        return Err(ApiError::bad_request(
+            "diskSizeMB must be at least 1024 and a multiple of 1024",
+        ));
+    }
+    let timeout_secs = f
+        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+        .unwrap_or(cfg.sandbox.default_timeout_secs);
+    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
+    let metadata = f.string_map("metadata")?;
+    let env_vars = f.string_map("envVars")?;
+    check_env("envVars", &env_vars)?;
+    reject_unsupported(&f)?;
+    internet_access(ctx, &f)?;
+    let custom_extension_params = extension_params(&f)?;
+    let info = ctx.orchestrator.create_cold(ColdStart {
+        image,
+        cpu_count,
+        memory_mb,
+        disk_size_mb: disk_size_mb as u32,
+        timeout_secs,
+        auto_pause,
+        metadata,
+        env_vars,
+        custom_extension_params,
+    })?;
+    Ok(created(ctx, &info, 201))
+}
+
+fn created(ctx: &Context, info: &SandboxInfo, status: u16) -> Reply {
+    Reply::Json {
+        status,
+        body: models::sandbox(info, envd(ctx)),
+        headers: vec![("x-agentenv-sandbox-id".into(), info.id.clone())],
+    }
+}
+
+fn metadata_matches(
+    info: &SandboxInfo,
+    filter: &std::collections::BTreeMap<String, String>,
+) -> bool {
+    filter.iter().all(|(k, v)| info.metadata.get(k) == Some(v))
+}
+
+fn list_running(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let filter = query::get(&pairs, "metadata")
+        .map(query::metadata_filter)
+        .unwrap_or_default();
+    let items: Vec<Value> = ctx
+        .orchestrator
+        .list()
+        .iter()
+        .filter(|i| i.state.api_state() == Some("running") && metadata_matches(i, &filter))
+        .map(|i| models::listed_sandbox(i, envd(ctx)))
+        .collect();
+    Ok(Reply::json(200, Value::Array(items)))
+}
+
+/// Sort key of `GET /v2/sandboxes`: startedAt descending, then id descending.
+fn list_key(info: &SandboxInfo) -> (u128, String) {
+    let nanos = info
+        .started_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    (nanos, info.id.clone())
+}
+
+fn encode_token(key: &(u128, String)) -> String {
+    crate::util::hex(format!("{}:{}", key.0, key.1).as_bytes())
+}
+
+fn decode_token(token: &str) -> Option<(u128, String)> {
+    if !token.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+        .collect();
+    let text = String::from_utf8(bytes?).ok()?;
+    let (nanos, id) = text.split_once(':')?;
+    is_uuid(id).then_some(())?;
+    Some((nanos.parse().ok()?, id.to_string()))
+}
+
+fn list_v2(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let filter = query::get(&pairs, "metadata")
+        .map(query::metadata_filter)
+        .unwrap_or_default();
+    let states: Vec<String> = match query::get(&pairs, "state") {
+        None => vec!["running".into(), "paused".into()],
+        Some(v) => v.split(',').map(|s| s.trim().to_string()).collect(),
+    };
+    if states.iter().any(|s| s != "running" && s != "paused") {
+        return Err(ApiError::bad_request(
+            "state must be a comma-separated list of running and paused",
+        ));
+    }
+    let limit = query::limit(&pairs)?;
+    let after = match query::get(&pairs, "nextToken") {
+        None => None,
+        Some(t) => Some(decode_token(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?),
+    };
+    let mut items: Vec<SandboxInfo> = ctx
+        .orchestrator
+        .list()
+        .into_iter()
+        .filter(|i| {
+            i.state
+                .api_state()
+                .is_some_and(|s| states.iter().any(|w| w == s))
+                && metadata_matches(i, &filter)
+        })
+        .collect();
+    items.sort_by_key(|i| std::cmp::Reverse(list_key(i)));
+    if let Some(after) = &after {
+        items.retain(|i| list_key(i) < *after);
+    }
+    let mut headers = Vec::new();
+    if let Some(limit) = limit {
+        if items.len() > limit {
+            items.truncate(limit);
+            let last = items.last().expect("limit >= 1");
+            headers.push(("X-Next-Token".to_string(), encode_token(&list_key(last))));
+        }
+    }
+    let body = items
+        .iter()
+        .map(|i| models::listed_sandbox(i, envd(ctx)))
+        .collect();
+    Ok(Reply::Json {
+        status: 200,
+        body: Value::Array(body),
+        headers,
+    })
+}
+
+fn get_sandbox(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
+    let info = ctx.orchestrator.get(checked_id(id)?)?;
+    Ok(Reply::json(200, models::sandbox_detail(&info, envd(ctx))))
+}
+
+fn delete_sandbox(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
+    ctx.orchestrator.delete(checked_id(id)?)?;
+    Ok(Reply::Empty(204))
+}
+
+fn set_timeout(
+    ctx: &Context,
+    req: &mut Request,
+    id: &str,
+    shorten: bool,
+) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let id = checked_id(id)?;
+    let default = ctx.orchestrator.config().sandbox.default_timeout_secs;
+    let secs = if shorten {
+        f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+    } else {
+        f.int_in("duration", 0..=3600)?
+    }
+    .unwrap_or(default);
+    ctx.orchestrator.set_timeout(id, secs, shorten)?;
+    Ok(Reply::Empty(204))
+}
+
+/// `connect` (timeout required, expiry only extended) and `resume` (optional, reset).
+fn connect(
+    ctx: &Context,
+    req: &mut Request,
+    id: &str,
+    is_connect: bool,
+) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let secs = if is_connect {
+        f.required_int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+    } else {
+        f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+            .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs)
+    };
+    let id = checked_id(id)?;
+    let info = ctx.orchestrator.connect_running(id, secs, is_connect)?;
+    Ok(created(ctx, &info, if is_connect { 200 } else { 201 }))
+}
+
+fn pause(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    body(ctx, req)?;
+    ctx.orchestrator.get(checked_id(id)?)?;
+    Err(ApiError::new(501, "pause is not implemented yet"))
+}
+
+fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
+    let params = ctx.orchestrator.custom_extension_params(checked_id(id)?)?;
+    Ok(Reply::json(200, params))
+}
+
+fn patch_params(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    body(ctx, req)?;
+    ctx.orchestrator.get(checked_id(id)?)?;
+    Err(ApiError::bad_request(
+        "no custom extension is configured ([custom_extension].url is unset)",
+    ))
+}
+
+fn run_command(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let cmd = f.required_str("cmd")?.to_string();
+    if cmd.is_empty() || cmd.contains('\0') {
+        return Err(ApiError::bad_request(
+            "cmd must be a non-empty string without NUL",
+        ));
+    }
+    let args = f.string_list("args")?;
+    if args.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::bad_request("args must not contain NUL"));
+    }
+    let env = f.string_map("env")?;
+    check_env("env", &env)?;
+    let cwd = f.str("cwd")?.unwrap_or("/").to_string();
+    if !cwd.starts_with('/') || cwd.contains('\0') {
+        return Err(ApiError::bad_request("cwd must be an absolute path"));
+    }
+    let timeout_ms = f.int_in("timeoutMs", 1..=600_000)?.unwrap_or(60_000);
+    let result = ctx.orchestrator.run_command(
+        checked_id(id)?,
+        CommandRequest {
+            cmd,
+            args,
+            env,
+            cwd,
+            timeout_ms,
+        },
+    )?;
+    let body = serde_json::to_value(result).map_err(|e| ApiError::new(500, e.to_string()))?;
+    Ok(Reply::json(200, body))
+}
+
+/// The `path` query parameter of the files endpoints.
+fn file_path(query_string: &str) -> Result<String, ApiError> {
+    let pairs = query::parse(query_string);
+    let path = query::get(&pairs, "path")
+        .ok_or_else(|| ApiError::bad_request("query parameter path is required"))?;
+    if !path.starts_with('/') || path.contains('\0') {
+        return Err(ApiError::bad_request(
+            "path must be an absolute path without NUL",
+        ));
+    }
+    Ok(path.to_string())
+}
+
+fn download(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
+    let path = file_path(query_string)?;
+    let file = ctx.orchestrator.read_file(checked_id(id)?, &path)?;
+    let length = file.size();
+    Ok(Reply::Stream {
+        reader: Box::new(file),
+        length,
+    })
+}
+
+fn upload(
+    ctx: &Context,
+    req: &mut Request,
+    id: &str,
+    query_string: &str,
+) -> Result<Reply, ApiError> {
+    let limit = ctx.orchestrator.config().agent.max_upload_bytes;
+    let too_large = || {
+        ApiError::new(
+            413,
+            format!("upload exceeds {limit} bytes (agent.max_upload_bytes)"),
+        )
+    };
+    if req.body_length().is_some_and(|n| n as u64 > limit) {
+        return Err(too_large());
+    }
+    let path = file_path(query_string)?;
+    let id = checked_id(id)?;
+    ctx.orchestrator.get(id)?;
+    match req.body_length() {
+        Some(len) => {
+            let mut body = req.as_reader().take(len as u64);
+            ctx.orchestrator
+                .write_file(id, &path, len as u64, &mut body)?;
+        }
+        None => {
+            // Chunked upload: the agent needs the length first, so buffer it (bounded).
+            let mut buf = Vec::new();
+            req.as_reader()
+                .take(limit + 1)
+                .read_to_end(&mut buf)
+                .map_err(|e| ApiError::bad_request(format!("cannot read upload: {e}")))?;
+            if buf.len() as u64 > limit {
+                return Err(too_large());
+            }
+            ctx.orchestrator
+                .write_file(id, &path, buf.len() as u64, &mut buf.as_slice())?;
+        }
+    }
+    Ok(Reply::Empty(204))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_token_round_trip() {
+        let key = (1_234_567u128, crate::util::new_id());
+        assert_eq!(decode_token(&encode_token(&key)), Some(key));
+        assert_eq!(decode_token("zz"), None);
+        assert_eq!(decode_token("abc"), None);
+        assert_eq!(decode_token(&crate::util::hex(b"12:not-a-uuid")), None);
+    }
+}

@@ -1,0 +1,192 @@
+//! Builds a raw ext4 image from an unpacked staging tree with `mkfs.ext4 -d`, after
+//! checking that the tree fits the requested size.
+
+use std::collections::HashSet;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::ImageError;
+
+const BLOCK: u64 = 4096;
+const INODE_SIZE: u64 = 256;
+const MIB: u64 = 1 << 20;
+
+/// What a staging tree needs on ext4.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TreeUsage {
+    pub data_blocks: u64,
+    pub inodes: u64,
+}
+
+/// Walks `root` without following symlinks, counting each inode once.
+pub fn measure(root: &Path) -> Result<TreeUsage, ImageError> {
+    let mut usage = TreeUsage::default();
+    let mut seen = HashSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let md = fs::symlink_metadata(&path)
+            .map_err(|e| ImageError::Io(format!("lstat {}: {e}", path.display())))?;
+        if md.nlink() > 1 && !md.is_dir() && !seen.insert((md.dev(), md.ino())) {
+            continue;
+        }
+        usage.inodes += 1;
+        let ft = md.file_type();
+        if ft.is_dir() {
+            let mut entries = 0u64;
+            for entry in fs::read_dir(&path)
+                .map_err(|e| ImageError::Io(format!("readdir {}: {e}", path.display())))?
+            {
+                let entry = entry
+                    .map_err(|e| ImageError::Io(format!("readdir {}: {e}", path.display())))?;
+                entries += 1 + entry.file_name().len() as u64 / 8;
+                stack.push(entry.path());
+            }
+            // ~16 bytes per entry plus the name, at least one block.
+            usage.data_blocks += 1 + entries * 16 / BLOCK;
+        } else if ft.is_file() {
+            // Extent tree blocks for very large files are in the slack below.
+            usage.data_blocks += md.len().div_ceil(BLOCK);
+        } else if ft.is_symlink() && md.len() >= 60 {
+            usage.data_blocks += 1;
+        }
+    }
+    Ok(usage)
+}
+
+/// The journal mke2fs 1.47 creates for a file system of `blocks` 4 KiB blocks.
+fn journal_blocks(blocks: u64) -> u64 {
+    match blocks {
+        b if b < 2048 => 0,
+        b if b < 32768 => 1024,
+        b if b < 256 * 1024 => 4096,
+        b if b < 512 * 1024 => 8192,
+        b if b < 4096 * 1024 => 16384,
+        b if b < 8192 * 1024 => 32768,
+        b if b < 16384 * 1024 => 65536,
+        b if b < 32768 * 1024 => 131072,
+        _ => 262144,
+    }
+}
+
+/// Whether `usage` fits an ext4 of `size_mb` made by [`build`]'s mkfs flags, with margin.
+pub fn fits(usage: TreeUsage, size_mb: u64) -> bool {
+    let bytes = size_mb * MIB;
+    let blocks = bytes / BLOCK;
+    // mke2fs.conf: "small" (< 512 MiB) has inode_ratio 4096, default 16384.
+    let inode_ratio = if size_mb < 512 { 4096 } else { 16384 };
+    let inode_count = bytes / inode_ratio;
+    let inode_table_blocks = inode_count * INODE_SIZE / BLOCK;
+    // Bitmaps, group descriptors, reserved GDT blocks, superblock backups: ~1%, plus 64
+    // blocks of fixed cost.
+    let metadata = inode_table_blocks + journal_blocks(blocks) + blocks / 100 + 64;
+    let available = blocks.saturating_sub(metadata);
+    // 5% slack for extent blocks and directory growth.
+    let needed = usage.data_blocks + usage.data_blocks / 20 + 16;
+    needed <= available && usage.inodes + 16 <= inode_count
+}
+
+/// The smallest multiple of 1024 MiB that `usage` fits.
+pub fn needed_mb(usage: TreeUsage) -> u32 {
+    let mut gib: u64 = 1;
+    while !fits(usage, gib * 1024) && gib < 4 * 1024 * 1024 {
+        gib += 1;
+    }
+    u32::try_from(gib * 1024).unwrap_or(u32::MAX)
+}
+
+/// Finds mkfs.ext4 even when the server's PATH lacks the sbin directories.
+fn mkfs_binary() -> PathBuf {
+    let from_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("mkfs.ext4"))
+            .find(|p| p.is_file())
+    });
+    from_path
+        .or_else(|| {
+            ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from("mkfs.ext4"))
+}
+
+/// Runs mkfs.ext4 to turn `staging` into the raw image `out` of `size_mb`.
+pub fn build(staging: &Path, out: &Path, size_mb: u32, usage: TreeUsage) -> Result<(), ImageError> {
+    let binary = mkfs_binary();
+    let output = Command::new(&binary)
+        .args([
+            "-q",
+            "-F",
+            "-b",
+            "4096",
+            "-I",
+            "256",
+            "-E",
+            "lazy_journal_init=1",
+            "-d",
+        ])
+        .arg(staging)
+        .arg(out)
+        .arg(format!("{size_mb}M"))
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| {
+            ImageError::Io(format!(
+                "cannot run {}: {e}; install e2fsprogs",
+                binary.display()
+            ))
+        })?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let text = format!("{} {}", stderr.trim(), stdout.trim());
+    let lower = text.to_lowercase();
+    if lower.contains("no space")
+        || lower.contains("could not allocate")
+        || lower.contains("no free space")
+    {
+        // The estimate was too optimistic; ask for at least the next GiB step.
+        let next = (size_mb / 1024 + 1) * 1024;
+        return Err(ImageError::TooSmall {
+            needed_mb: needed_mb(usage).max(next),
+        });
+    }
+    Err(ImageError::Io(format!(
+        "{} failed ({}): {}",
+        binary.display(),
+        output.status,
+        text.trim()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fits_and_needed_sizes() {
+        let small = TreeUsage {
+            data_blocks: 2_000,
+            inodes: 500,
+        };
+        assert!(fits(small, 64));
+        assert_eq!(needed_mb(small), 1024);
+        let big = TreeUsage {
+            data_blocks: 300_000, // ~1.2 GiB
+            inodes: 50_000,
+        };
+        assert!(!fits(big, 1024));
+        assert_eq!(needed_mb(big), 2048);
+        let many_inodes = TreeUsage {
+            data_blocks: 10,
+            inodes: 100_000,
+        };
+        assert!(!fits(many_inodes, 1024));
+        assert_eq!(needed_mb(many_inodes), 2048);
+    }
+}

@@ -1,0 +1,246 @@
+//! One supervisor thread per sandbox: it spawns the sandbox's QEMU process (so that
+//! PR_SET_PDEATHSIG ties the VM to this thread), owns it and the network slot, handles
+//! lifecycle [`Op`]s in order, and tears everything down on delete or when the VM dies.
+
+use super::sandbox::{Op, SandboxEntry, SandboxInfo, SandboxState};
+use super::{ColdStart, OrchError, Shared};
+use crate::agent::AgentClient;
+use crate::net::Slot;
+use crate::vm::{self, Vm, VmSpec};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// How often an idle supervisor checks that its VM is still alive.
+const VM_WATCH_INTERVAL: Duration = Duration::from_millis(500);
+
+/// A per-sandbox directory (disk overlay, sockets, console log) removed on drop unless
+/// kept: a failed create leaves nothing behind.
+pub(crate) struct RunDir {
+    path: PathBuf,
+}
+
+impl RunDir {
+    fn create(path: PathBuf) -> Result<RunDir, OrchError> {
+        crate::store::ensure_private_dir(&path).map_err(|e| OrchError::Internal(e.to_string()))?;
+        Ok(RunDir { path })
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                log::warn!("op=cleanup path={} error={e}", self.path.display());
+            }
+        }
+    }
+}
+
+/// What a supervisor needs to boot its sandbox.
+struct BootPlan {
+    id: String,
+    run_dir: RunDir,
+    slot: Slot,
+    cpu_count: u32,
+    memory_mb: u32,
+}
+
+/// The running resources a supervisor owns. Dropping them in this order (VM first, then
+/// the slot, then the directory) is the teardown.
+struct Runtime {
+    vm: Vm,
+    slot: Option<Slot>,
+    _run_dir: RunDir,
+}
+
+impl Runtime {
+    fn teardown(mut self, shared: &Shared) {
+        self.vm.kill();
+        if let Some(slot) = self.slot.take() {
+            shared.slots.release(slot);
+        }
+    }
+}
+
+pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<SandboxInfo, OrchError> {
+    let started = Instant::now();
+    let image = shared.images.prepare_rootfs(&req.image, req.disk_size_mb)?;
+    let image_ms = started.elapsed().as_millis();
+    let id = crate::util::new_id();
+    let run_dir = RunDir::create(shared.sandboxes_dir().join(&id))?;
+    vm::create_overlay(
+        &image.base_disk,
+        &run_dir.path().join("disk.qcow2"),
+        req.disk_size_mb,
+    )
+    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let slot = shared.slots.acquire()?;
+    let host_ip = slot.host_ip();
+    let netns_path = slot.netns_path().to_path_buf();
+    let plan = BootPlan {
+        id: id.clone(),
+        run_dir,
+        slot,
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+    };
+
+    let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
+    let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
+    let thread_shared = shared.clone();
+    std::thread::Builder::new()
+        .name(format!("sbx-{}", &id[id.len() - 8..]))
+        .spawn(move || supervise(thread_shared, plan, boot_tx, ops_rx))
+        .map_err(|e| OrchError::Internal(format!("cannot start supervisor thread: {e}")))?;
+
+    let agent = boot_rx
+        .recv()
+        .map_err(|_| OrchError::Internal("sandbox supervisor exited during boot".into()))??;
+
+    let now = SystemTime::now();
+    let info = SandboxInfo {
+        id: id.clone(),
+        template_id: image.reference.clone(),
+        alias: None,
+        started_at: now,
+        end_at: now + Duration::from_secs(req.timeout_secs),
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+        disk_size_mb: req.disk_size_mb,
+        metadata: req.metadata,
+        env_vars: req.env_vars,
+        image_env: image.env.clone(),
+        auto_pause: req.auto_pause,
+        timeout_secs: req.timeout_secs,
+        custom_extension_params: req.custom_extension_params,
+        state: SandboxState::Running,
+        host_ip,
+        netns_path,
+    };
+    let entry = Arc::new(SandboxEntry {
+        info: Mutex::new(info.clone()),
+        ops: ops_tx,
+        agent,
+        running_commands: AtomicU32::new(0),
+    });
+    shared.sandboxes.write().insert(id.clone(), entry);
+    log::info!(
+        "sandboxId={id} op=create_cold result=ok image={} hostIp={host_ip} imageMs={image_ms} totalMs={}",
+        image.reference,
+        started.elapsed().as_millis()
+    );
+    Ok(info)
+}
+
+fn supervise(
+    shared: Arc<Shared>,
+    plan: BootPlan,
+    boot_reply: Sender<Result<Arc<AgentClient>, OrchError>>,
+    ops: Receiver<Op>,
+) {
+    let id = plan.id.clone();
+    let runtime = match boot(&shared, plan) {
+        Ok((runtime, agent)) => {
+            if boot_reply.send(Ok(agent)).is_err() {
+                runtime.teardown(&shared);
+                return;
+            }
+            runtime
+        }
+        Err(e) => {
+            let _ = boot_reply.send(Err(e));
+            return;
+        }
+    };
+    run(&shared, &id, runtime, ops);
+}
+
+/// Boots the VM in the slot and waits for the guest agent. Every failure path drops what
+/// was made so far (VM killed and reaped, slot destroyed, run dir removed).
+fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
+    let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
+    let netns = plan.slot.open_netns().map_err(|e| internal(&e))?;
+    let assets = &shared.config.vm.assets_dir;
+    let spec = VmSpec {
+        run_dir: plan.run_dir.path().to_path_buf(),
+        kernel: vm::guest_kernel(assets),
+        initramfs: assets.join("initramfs.cpio"),
+        kernel_args: guest_kernel_args(shared),
+        cpu_count: plan.cpu_count,
+        memory_mb: plan.memory_mb,
+        disk: plan.run_dir.path().join("disk.qcow2"),
+        netns: Some(netns),
+        tap: Some(crate::net::TAP_NAME.into()),
+        accel: shared.accel,
+        qemu_binary: shared.config.vm.qemu_binary.clone(),
+    };
+    let vm = Vm::spawn(spec).map_err(|e| internal(&e))?;
+    let runtime = Runtime {
+        vm,
+        slot: Some(plan.slot),
+        _run_dir: plan.run_dir,
+    };
+    let timeout = Duration::from_secs(shared.config.vm.ready_timeout_secs);
+    match AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout) {
+        Ok(agent) => Ok((runtime, Arc::new(agent))),
+        Err(e) => {
+            let tail = runtime.vm.console_tail(20);
+            log::error!(
+                "sandboxId={} op=boot result=error error=\"{e}\" console_tail=\n{tail}",
+                plan.id
+            );
+            runtime.teardown(shared);
+            Err(OrchError::Internal(format!(
+                "guest agent did not become ready within {}s ({e}); the console log's last lines are in the server log",
+                timeout.as_secs()
+            )))
+        }
+    }
+}
+
+/// Kernel arguments agentenv adds after the VM module's own.
+fn guest_kernel_args(shared: &Shared) -> Vec<String> {
+    let mut args = vec![format!("agentenv.port={}", shared.config.agent.port)];
+    if shared.config.network.outbound {
+        if let Some(dns) = crate::net::guest_dns(&shared.config.network) {
+            args.push(format!("agentenv.dns={dns}"));
+        }
+    }
+    args
+}
+
+/// The supervisor's loop: lifecycle operations in order, and a watch on the VM.
+fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
+    loop {
+        match ops.recv_timeout(VM_WATCH_INTERVAL) {
+            Ok(Op::Delete { reply }) => {
+                runtime.teardown(shared);
+                let _ = reply.send(());
+                return;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if let Some(status) = runtime.vm.try_wait() {
+                    log::error!(
+                        "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
+                        runtime.vm.console_tail(20)
+                    );
+                    shared.unregister(id);
+                    runtime.teardown(shared);
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                runtime.teardown(shared);
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! `agentenv serve`: configuration → host checks → state dir lock → API key → network
+//! reclaim → orchestrator → HTTP API, then a graceful shutdown on SIGTERM/SIGINT.
+
+use crate::api::{ApiServer, Context};
+use crate::config::{self, Config};
+use crate::net::SlotManager;
+use crate::orchestrator::Orchestrator;
+use crate::{preflight, store, sys};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A startup failure: one line for the operator, and the process exit code.
+pub struct StartupError(pub String);
+
+impl<E: std::fmt::Display> From<E> for StartupError {
+    fn from(e: E) -> StartupError {
+        StartupError(e.to_string())
+    }
+}
+
+pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
+    sys::signals::block_termination_signals()?;
+    let path = config::config_path(config_path);
+    let config = Config::load(path.as_deref())?;
+    match &path {
+        Some(p) => log::info!("op=config source={}", p.display()),
+        None => log::info!("op=config source=embedded-defaults"),
+    }
+    let problems = preflight::check(&config);
+    if !problems.is_empty() {
+        return Err(StartupError(problems.join("\n")));
+    }
+    let state_dir = &config.server.state_dir;
+    store::ensure_private_dir(state_dir)?;
+    let lock_path = state_dir.join("agentenv.lock");
+    let _lock = sys::fs::try_lock_exclusive(&lock_path)?.ok_or_else(|| {
+        StartupError(format!(
+            "another agentenv holds {}; stop it first (one server owns a host's slots)",
+            lock_path.display()
+        ))
+    })?;
+    let api_key = resolve_api_key(&config)?;
+    remove_stale_sandboxes(&state_dir.join("sandboxes"));
+    let accel = crate::vm::detect_accel(config.vm.accel)?;
+    log::info!("op=startup accel={accel:?}");
+    let slots = SlotManager::start(&config.network, &[])?;
+    let listen = config.server.listen.clone();
+    let threads = config.server.http_threads;
+    let orchestrator = Arc::new(Orchestrator::start(config, slots, accel));
+    let api = ApiServer::start(
+        &listen,
+        threads,
+        Context {
+            orchestrator: orchestrator.clone(),
+            api_key,
+        },
+    )
+    .map_err(StartupError)?;
+    log::info!("op=startup result=ready listen={}", api.local_addr());
+
+    let sig = sys::signals::wait_for_termination()?;
+    log::info!("op=shutdown signal={sig}");
+    orchestrator.shutdown();
+    api.stop();
+    log::info!("op=shutdown result=done");
+    Ok(())
+}
+
+/// api.md §1.2: env, then config, then `<state_dir>/api-key` (generated, mode 0600).
+fn resolve_api_key(config: &Config) -> Result<String, StartupError> {
+    if let Some(key) = &config.server.api_key {
+        return Ok(key.clone());
+    }
+    let path = config.server.state_dir.join("api-key");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let key = text.trim().to_string();
+            config::validate_api_key(&key)
+                .map_err(|m| StartupError(format!("{}: {m}", path.display())))?;
+            log::info!("op=api_key source={}", path.display());
+            Ok(key)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut bytes = [0u8; 24];
+            sys::fs::random_bytes(&mut bytes)?;
+            let key = format!("aenv_{}", crate::util::hex(&bytes));
+            store::write_atomic(&path, format!("{key}\n").as_bytes(), 0o600)?;
+            log::info!("op=api_key source={} generated=true", path.display());
+            Ok(key)
+        }
+        Err(e) => Err(StartupError(format!("cannot read {}: {e}", path.display()))),
+    }
+}
+
+/// Running sandboxes do not survive a restart: their VMs died with the old process, so
+/// their directories (disk overlays, sockets, logs) are removed.
+fn remove_stale_sandboxes(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        log::info!("op=reclaim sandbox_dir={}", path.display());
+        if let Err(e) = std::fs::remove_dir_all(&path) {
+            log::warn!("op=reclaim path={} error={e}", path.display());
+        }
+    }
+}

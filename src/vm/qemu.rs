@@ -1,0 +1,680 @@
+//! The QEMU process: its command line, and a [`Vm`] that owns the process and its QMP
+//! session.
+//!
+//! QEMU runs in the foreground as a child of the sandbox's supervisor thread, inside the
+//! slot's network namespace, with a seccomp sandbox, and dies with that thread
+//! (`PR_SET_PDEATHSIG`). No shell is involved anywhere: the argv is built here.
+
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::accel::Accel;
+use super::console::tail_lines;
+use super::qmp::{self, Qmp};
+use super::VmError;
+use crate::sys::process::{configure_child, kill_and_reap};
+
+/// The guest NIC's MAC address (every guest has the same one: each lives in its own netns).
+pub const GUEST_MAC: &str = "06:00:a9:fe:00:15";
+/// The tap device's name inside a slot's network namespace.
+pub const GUEST_TAP: &str = "tap0";
+/// The virtio-serial port the in-guest agent opens (`/dev/virtio-ports/agentenv`).
+pub const AGENT_PORT_NAME: &str = "agentenv";
+
+/// Kernel arguments every guest gets, before the spec's own. Boot messages stay on (no
+/// `quiet`): they are what an operator reads when a guest never becomes ready.
+const BASE_KERNEL_ARGS: &[&str] = &["console=ttyS0", "reboot=t", "panic=-1"];
+/// x86 COMMAND_LINE_SIZE, including the terminating NUL.
+const MAX_CMDLINE: usize = 2048;
+/// `sun_path` is 108 bytes including the NUL.
+const MAX_SOCKET_PATH: usize = 107;
+/// How long QEMU may take to open its QMP socket.
+const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Everything needed to start one guest.
+#[derive(Debug)]
+pub struct VmSpec {
+    /// Per-sandbox directory: console.log, qmp.sock, agent.sock, qemu.log. Created if
+    /// missing.
+    pub run_dir: PathBuf,
+    /// Guest kernel: a bzImage or a PVH `vmlinux` (see [`guest_kernel`]).
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// Appended after the base arguments, in order; they appear verbatim in the guest's
+    /// `/proc/cmdline`, so later ones win.
+    pub kernel_args: Vec<String>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    /// The root disk, a qcow2 overlay (see [`super::create_overlay`]).
+    pub disk: PathBuf,
+    /// The slot's network namespace; QEMU enters it before exec. `None`: the host's.
+    pub netns: Option<File>,
+    /// Tap device (inside `netns`) backing the guest NIC, normally [`GUEST_TAP`]. `None`:
+    /// the guest has no NIC.
+    pub tap: Option<String>,
+    pub accel: Accel,
+    /// Absolute, or looked up in PATH.
+    pub qemu_binary: PathBuf,
+}
+
+/// The files of a VM inside its run dir.
+#[derive(Debug, Clone)]
+struct RunPaths {
+    console_log: PathBuf,
+    qemu_log: PathBuf,
+    qmp_socket: PathBuf,
+    agent_socket: PathBuf,
+}
+
+impl RunPaths {
+    fn new(run_dir: &Path) -> RunPaths {
+        RunPaths {
+            console_log: run_dir.join("console.log"),
+            qemu_log: run_dir.join("qemu.log"),
+            qmp_socket: run_dir.join("qmp.sock"),
+            agent_socket: run_dir.join("agent.sock"),
+        }
+    }
+}
+
+/// The kernel to boot from an assets dir: the PVH `vmlinux` when present (boots faster),
+/// else the bzImage `vmlinuz`.
+pub fn guest_kernel(assets_dir: &Path) -> PathBuf {
+    let vmlinux = assets_dir.join("vmlinux");
+    if vmlinux.is_file() {
+        vmlinux
+    } else {
+        assets_dir.join("vmlinuz")
+    }
+}
+
+/// The guest kernel command line: base arguments, the TCG clock hint, then the spec's.
+fn kernel_cmdline(accel: Accel, extra: &[String]) -> Result<String, VmError> {
+    let mut args: Vec<String> = BASE_KERNEL_ARGS.iter().map(|s| s.to_string()).collect();
+    if let Accel::Tcg { tsc_khz } = accel {
+        args.push(format!("tsc_early_khz={tsc_khz}"));
+    }
+    for a in extra {
+        if a.is_empty() || a.chars().any(|c| c.is_control()) {
+            return Err(VmError::InvalidSpec(format!(
+                "kernel argument {a:?} is empty or holds control characters"
+            )));
+        }
+        args.push(a.clone());
+    }
+    let cmdline = args.join(" ");
+    if cmdline.len() >= MAX_CMDLINE {
+        return Err(VmError::InvalidSpec(format!(
+            "kernel command line is {} bytes; the limit is {}",
+            cmdline.len(),
+            MAX_CMDLINE - 1
+        )));
+    }
+    Ok(cmdline)
+}
+
+/// A path as the value of a QEMU `key=value,...` option: UTF-8, commas doubled.
+fn opt_path(path: &Path) -> Result<String, VmError> {
+    path.to_str()
+        .map(|s| s.replace(',', ",,"))
+        .ok_or_else(|| VmError::InvalidSpec(format!("path {} is not UTF-8", path.display())))
+}
+
+/// The full QEMU argv (without the binary). `incoming`: restore from this state file.
+fn build_argv(
+    spec: &VmSpec,
+    paths: &RunPaths,
+    incoming: Option<&Path>,
+) -> Result<Vec<OsString>, VmError> {
+    if spec.cpu_count == 0 || spec.memory_mb == 0 {
+        return Err(VmError::InvalidSpec(
+            "cpu_count and memory_mb must be at least 1".into(),
+        ));
+    }
+    let mut machine = String::from("microvm,acpi=on,auto-kernel-cmdline=off");
+    let (accel, cpu) = match spec.accel {
+        Accel::Kvm => ("kvm", "host"),
+        Accel::Tcg { .. } => {
+            // Without the PIT the guest randomly dies with a divide error at boot.
+            machine.push_str(",pit=on,pic=off");
+            ("tcg,tb-size=32", "max")
+        }
+    };
+    let mut argv: Vec<OsString> = Vec::with_capacity(48);
+    let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
+    push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    push(&["-M", &machine, "-accel", accel, "-cpu", cpu]);
+    push(&["-smp", &spec.cpu_count.to_string()]);
+    push(&["-m", &format!("{}M", spec.memory_mb)]);
+    push(&[
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]);
+    argv.push("-kernel".into());
+    argv.push(spec.kernel.clone().into_os_string());
+    argv.push("-initrd".into());
+    argv.push(spec.initramfs.clone().into_os_string());
+    argv.push("-append".into());
+    argv.push(kernel_cmdline(spec.accel, &spec.kernel_args)?.into());
+
+    let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
+    let console = opt_path(&paths.console_log)?;
+    push(&[
+        "-chardev",
+        &format!("file,id=console,path={console},append=on"),
+        "-serial",
+        "chardev:console",
+    ]);
+    let disk = opt_path(&spec.disk)?;
+    push(&[
+        "-drive",
+        &format!("id=root,file={disk},format=qcow2,if=none,discard=unmap"),
+        "-device",
+        "virtio-blk-device,drive=root",
+    ]);
+    if let Some(tap) = &spec.tap {
+        if tap.is_empty() || tap.contains(',') || tap.len() > 15 {
+            return Err(VmError::InvalidSpec(format!("bad tap device name {tap:?}")));
+        }
+        push(&[
+            "-netdev",
+            &format!("tap,id=net0,ifname={tap},script=no,downscript=no"),
+            "-device",
+            &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
+        ]);
+    }
+    let agent = opt_path(&paths.agent_socket)?;
+    push(&[
+        "-chardev",
+        &format!("socket,id=agent,path={agent},server=on,wait=off"),
+        "-device",
+        "virtio-serial-device",
+        "-device",
+        &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
+    ]);
+    let qmp = opt_path(&paths.qmp_socket)?;
+    push(&[
+        "-chardev",
+        &format!("socket,id=qmp,path={qmp},server=on,wait=off"),
+        "-mon",
+        "chardev=qmp,mode=control",
+    ]);
+    if let Some(state) = incoming {
+        let state = state.to_str().filter(|s| !s.contains(',')).ok_or_else(|| {
+            VmError::InvalidSpec(format!(
+                "state file path {} must be UTF-8 without commas",
+                state.display()
+            ))
+        })?;
+        push(&["-incoming", &format!("file:{state}")]);
+    }
+    Ok(argv)
+}
+
+/// Finds `binary` as `execvp` would: as given when it holds a `/`, else in PATH.
+fn resolve_binary(binary: &Path) -> Result<PathBuf, VmError> {
+    let not_found = || VmError::BinaryNotFound {
+        binary: binary.to_path_buf(),
+    };
+    if binary.as_os_str().is_empty() {
+        return Err(not_found());
+    }
+    if binary.components().count() > 1 || binary.is_absolute() {
+        return if binary.is_file() {
+            Ok(binary.to_path_buf())
+        } else {
+            Err(not_found())
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(binary))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(not_found)
+}
+
+/// Kills and reaps a child unless disarmed: an early `?` in [`Vm::start`] never leaves a
+/// QEMU behind.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            if let Err(e) = kill_and_reap(child) {
+                log::warn!("vm op=kill pid={} error={e}", child.id());
+            }
+        }
+    }
+}
+
+/// A running QEMU process and its QMP session. Dropping it kills and reaps the process.
+pub struct Vm {
+    child: Child,
+    /// Set once the process has been reaped.
+    exit: Option<ExitStatus>,
+    qmp: Qmp,
+    paths: RunPaths,
+    accel: Accel,
+}
+
+impl Vm {
+    /// Starts QEMU for `spec` and returns once QMP is connected (bounded wait). The guest
+    /// is booting by then, not ready. On any failure the process is killed and reaped.
+    ///
+    /// Call this on the thread that supervises the VM: QEMU gets SIGKILL when that thread
+    /// exits.
+    pub fn spawn(spec: VmSpec) -> Result<Vm, VmError> {
+        Vm::start(spec, None)
+    }
+
+    /// Like [`Vm::spawn`], but restores the state saved in `state_file` (QMP
+    /// `migrate` to `file:`). The VM waits in "inmigrate" then "paused": wait for
+    /// `paused`, then `cont`. `spec` must match the saved VM's devices.
+    pub fn spawn_incoming(spec: VmSpec, state_file: &Path) -> Result<Vm, VmError> {
+        if !state_file.is_file() {
+            return Err(VmError::MissingAsset {
+                what: "saved VM state",
+                path: state_file.to_path_buf(),
+            });
+        }
+        Vm::start(spec, Some(state_file))
+    }
+
+    fn start(spec: VmSpec, incoming: Option<&Path>) -> Result<Vm, VmError> {
+        let binary = resolve_binary(&spec.qemu_binary)?;
+        for (what, path) in [
+            ("guest kernel", &spec.kernel),
+            ("initramfs", &spec.initramfs),
+            ("root disk", &spec.disk),
+        ] {
+            if !path.is_file() {
+                return Err(VmError::MissingAsset {
+                    what,
+                    path: path.clone(),
+                });
+            }
+        }
+        std::fs::create_dir_all(&spec.run_dir).map_err(|e| {
+            VmError::io(
+                format!("cannot create VM run dir {}", spec.run_dir.display()),
+                e,
+            )
+        })?;
+        let paths = RunPaths::new(&spec.run_dir);
+        for socket in [&paths.qmp_socket, &paths.agent_socket] {
+            if socket.as_os_str().len() > MAX_SOCKET_PATH {
+                return Err(VmError::InvalidSpec(format!(
+                    "socket path {} is longer than {MAX_SOCKET_PATH} bytes; use a shorter \
+                     server.state_dir",
+                    socket.display()
+                )));
+            }
+            match std::fs::remove_file(socket) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(VmError::io(
+                        format!("cannot remove stale socket {}", socket.display()),
+                        e,
+                    ))
+                }
+            }
+        }
+        let argv = build_argv(&spec, &paths, incoming)?;
+
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&paths.qemu_log)
+            .map_err(|e| VmError::io(format!("cannot open {}", paths.qemu_log.display()), e))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| VmError::io("cannot duplicate the qemu log fd", e))?;
+        let mut cmd = Command::new(&binary);
+        cmd.args(&argv)
+            .current_dir(&spec.run_dir)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        configure_child(
+            &mut cmd,
+            spec.netns.as_ref().map(|f| f.as_raw_fd()),
+            Some(libc::SIGKILL),
+        );
+        let started = Instant::now();
+        let child = cmd.spawn().map_err(|source| VmError::Spawn {
+            binary: binary.clone(),
+            source,
+        })?;
+        // The child has entered the namespace (or failed to); our fd is no longer needed.
+        drop(spec.netns);
+        let pid = child.id();
+        let mut guard = ChildGuard(Some(child));
+        let qmp = connect_qmp(guard.0.as_mut().expect("set above"), &paths)?;
+        let child = guard.0.take().expect("set above");
+        log::info!(
+            "vm op=spawn pid={pid} accel={} cpus={} memoryMb={} kernel={} runDir={} \
+             incoming={} qmpMs={}",
+            spec.accel.name(),
+            spec.cpu_count,
+            spec.memory_mb,
+            spec.kernel.display(),
+            spec.run_dir.display(),
+            incoming.is_some(),
+            started.elapsed().as_millis()
+        );
+        Ok(Vm {
+            child,
+            exit: None,
+            qmp,
+            paths,
+            accel: spec.accel,
+        })
+    }
+
+    /// The host end of the guest agent's virtio-serial port (a unix socket).
+    pub fn agent_socket(&self) -> &Path {
+        &self.paths.agent_socket
+    }
+
+    /// The guest's serial console output.
+    pub fn console_log(&self) -> &Path {
+        &self.paths.console_log
+    }
+
+    /// QEMU's own stdout/stderr.
+    pub fn qemu_log(&self) -> &Path {
+        &self.paths.qemu_log
+    }
+
+    /// The last `lines` lines of the console log.
+    pub fn console_tail(&self, lines: usize) -> String {
+        tail_lines(&self.paths.console_log, lines)
+    }
+
+    pub fn qmp(&mut self) -> &mut Qmp {
+        &mut self.qmp
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    /// SIGKILL and reap. Also done on drop.
+    pub fn kill(mut self) {
+        self.reap();
+    }
+
+    /// The exit status once QEMU has exited (and is then reaped); `None` while it runs.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        if self.exit.is_none() {
+            match self.child.try_wait() {
+                Ok(status) => self.exit = status,
+                Err(e) => log::warn!("vm op=try_wait pid={} error={e}", self.child.id()),
+            }
+        }
+        self.exit
+    }
+
+    /// Waits up to `timeout` for QEMU to exit by itself (after `quit`, or a guest power
+    /// off); `None` if it still runs.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        let mut interval = Duration::from_millis(1);
+        loop {
+            if let Some(status) = self.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(interval);
+            interval = (interval * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    fn reap(&mut self) {
+        if self.exit.is_some() {
+            return;
+        }
+        match kill_and_reap(&mut self.child) {
+            Ok(status) => {
+                log::debug!("vm op=kill pid={} status={status}", self.child.id());
+                self.exit = Some(status);
+            }
+            Err(e) => log::warn!("vm op=kill pid={} error={e}", self.child.id()),
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.reap();
+    }
+}
+
+/// Waits for QEMU to open its QMP socket, then negotiates. Fails fast if QEMU exits.
+fn connect_qmp(child: &mut Child, paths: &RunPaths) -> Result<Qmp, VmError> {
+    let deadline = Instant::now() + QMP_CONNECT_TIMEOUT;
+    let mut interval = Duration::from_millis(1);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(VmError::QemuExited {
+                status,
+                log_tail: tail_lines(&paths.qemu_log, 20),
+            });
+        }
+        match std::os::unix::net::UnixStream::connect(&paths.qmp_socket) {
+            Ok(stream) => {
+                return Qmp::handshake(stream, qmp::DEFAULT_TIMEOUT).map_err(|e| {
+                    // QEMU opens its sockets before loading the kernel: a handshake cut short
+                    // usually means it exited, and its output says why.
+                    let exited = Instant::now() + Duration::from_secs(1);
+                    while Instant::now() < exited {
+                        if let Ok(Some(status)) = child.try_wait() {
+                            return VmError::QemuExited {
+                                status,
+                                log_tail: tail_lines(&paths.qemu_log, 20),
+                            };
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    e
+                });
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) => {}
+            Err(source) => {
+                return Err(VmError::QmpIo {
+                    command: format!("connect {}", paths.qmp_socket.display()),
+                    source,
+                })
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(VmError::Timeout {
+                what: format!("QEMU to open {}", paths.qmp_socket.display()),
+                after_ms: QMP_CONNECT_TIMEOUT.as_millis() as u64,
+            });
+        }
+        std::thread::sleep(interval);
+        interval = (interval * 2).min(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(accel: Accel) -> VmSpec {
+        VmSpec {
+            run_dir: "/run/agentenv/sb1".into(),
+            kernel: "/assets/vmlinux".into(),
+            initramfs: "/assets/initramfs.cpio".into(),
+            kernel_args: vec!["agentenv.port=49983".into(), "init=/init".into()],
+            cpu_count: 2,
+            memory_mb: 512,
+            disk: "/disks/a,b.qcow2".into(),
+            netns: None,
+            tap: Some(GUEST_TAP.into()),
+            accel,
+            qemu_binary: "qemu-system-x86_64".into(),
+        }
+    }
+
+    fn argv(spec: &VmSpec, incoming: Option<&Path>) -> Vec<String> {
+        build_argv(spec, &RunPaths::new(&spec.run_dir), incoming)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect()
+    }
+
+    /// The value following `flag` (the first occurrence).
+    fn value<'a>(argv: &'a [String], flag: &str) -> &'a str {
+        let i = argv.iter().position(|a| a == flag).expect(flag);
+        &argv[i + 1]
+    }
+
+    fn values<'a>(argv: &'a [String], flag: &str) -> Vec<&'a str> {
+        argv.windows(2)
+            .filter(|w| w[0] == flag)
+            .map(|w| w[1].as_str())
+            .collect()
+    }
+
+    #[test]
+    fn tcg_flags() {
+        let a = argv(&spec(Accel::Tcg { tsc_khz: 2_596_144 }), None);
+        assert_eq!(
+            value(&a, "-M"),
+            "microvm,acpi=on,auto-kernel-cmdline=off,pit=on,pic=off"
+        );
+        assert_eq!(value(&a, "-accel"), "tcg,tb-size=32");
+        assert_eq!(value(&a, "-cpu"), "max");
+        assert_eq!(
+            value(&a, "-append"),
+            "console=ttyS0 reboot=t panic=-1 tsc_early_khz=2596144 agentenv.port=49983 init=/init"
+        );
+    }
+
+    #[test]
+    fn kvm_flags() {
+        let a = argv(&spec(Accel::Kvm), None);
+        assert_eq!(value(&a, "-M"), "microvm,acpi=on,auto-kernel-cmdline=off");
+        assert_eq!(value(&a, "-accel"), "kvm");
+        assert_eq!(value(&a, "-cpu"), "host");
+        assert_eq!(
+            value(&a, "-append"),
+            "console=ttyS0 reboot=t panic=-1 agentenv.port=49983 init=/init"
+        );
+        assert!(!a
+            .iter()
+            .any(|x| x.contains("tsc_early_khz") || x.contains("pit=")));
+    }
+
+    #[test]
+    fn devices_and_sockets() {
+        let a = argv(&spec(Accel::Kvm), None);
+        for flag in ["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"] {
+            assert!(a.iter().any(|x| x == flag), "{flag}");
+        }
+        assert_eq!(value(&a, "-smp"), "2");
+        assert_eq!(value(&a, "-m"), "512M");
+        assert_eq!(value(&a, "-kernel"), "/assets/vmlinux");
+        assert_eq!(value(&a, "-initrd"), "/assets/initramfs.cpio");
+        assert_eq!(
+            value(&a, "-sandbox"),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+        );
+        assert_eq!(
+            value(&a, "-drive"),
+            "id=root,file=/disks/a,,b.qcow2,format=qcow2,if=none,discard=unmap"
+        );
+        assert_eq!(
+            value(&a, "-netdev"),
+            "tap,id=net0,ifname=tap0,script=no,downscript=no"
+        );
+        assert_eq!(
+            values(&a, "-device"),
+            [
+                "virtio-blk-device,drive=root",
+                "virtio-net-device,netdev=net0,mac=06:00:a9:fe:00:15",
+                "virtio-serial-device",
+                "virtserialport,chardev=agent,name=agentenv",
+            ]
+        );
+        assert_eq!(
+            values(&a, "-chardev"),
+            [
+                "file,id=console,path=/run/agentenv/sb1/console.log,append=on",
+                "socket,id=agent,path=/run/agentenv/sb1/agent.sock,server=on,wait=off",
+                "socket,id=qmp,path=/run/agentenv/sb1/qmp.sock,server=on,wait=off",
+            ]
+        );
+        assert_eq!(value(&a, "-serial"), "chardev:console");
+        assert_eq!(value(&a, "-mon"), "chardev=qmp,mode=control");
+        assert!(!a.iter().any(|x| x == "-incoming"));
+    }
+
+    #[test]
+    fn no_nic_and_incoming() {
+        let mut s = spec(Accel::Kvm);
+        s.tap = None;
+        let a = argv(&s, Some(Path::new("/state/mem.bin")));
+        assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
+        assert_eq!(value(&a, "-incoming"), "file:/state/mem.bin");
+        let paths = RunPaths::new(&s.run_dir);
+        assert!(build_argv(&s, &paths, Some(Path::new("/a,b"))).is_err());
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let paths = RunPaths::new(Path::new("/r"));
+        let mut s = spec(Accel::Kvm);
+        s.kernel_args.push("bad\narg".into());
+        assert!(build_argv(&s, &paths, None).is_err());
+        let mut s = spec(Accel::Kvm);
+        s.kernel_args.push("x".repeat(MAX_CMDLINE));
+        let e = build_argv(&s, &paths, None).unwrap_err();
+        assert!(e.to_string().contains("kernel command line"), "{e}");
+        let mut s = spec(Accel::Kvm);
+        s.tap = Some("tap0,script=/bin/evil".into());
+        assert!(build_argv(&s, &paths, None).is_err());
+        let mut s = spec(Accel::Kvm);
+        s.cpu_count = 0;
+        assert!(build_argv(&s, &paths, None).is_err());
+    }
+
+    #[test]
+    fn missing_binary_is_actionable() {
+        let e = resolve_binary(Path::new("no-such-qemu-binary")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "no-such-qemu-binary not found: run scripts/setup.sh (or set vm.qemu_binary)"
+        );
+        assert!(resolve_binary(Path::new("/nonexistent/qemu")).is_err());
+        assert!(resolve_binary(Path::new("sh")).is_ok());
+    }
+
+    #[test]
+    fn prefers_vmlinux() {
+        let dir = std::env::temp_dir().join(format!("agentenv-kern-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(guest_kernel(&dir), dir.join("vmlinuz"));
+        std::fs::write(dir.join("vmlinux"), b"").unwrap();
+        assert_eq!(guest_kernel(&dir), dir.join("vmlinux"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,286 @@
+//! Shared harness for end-to-end tests: starts the real `agentenv` binary on loopback with
+//! its own state dir, talks HTTP to it, and inspects what it leaves on the host.
+
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const API_KEY: &str = "test-key-0123456789abcdefghijklmnopqrstuvwxyz";
+
+/// Where scripts/setup.sh put the kernel, initramfs and base image.
+pub fn assets_dir() -> PathBuf {
+    std::env::var_os("AENV_TEST_ASSETS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/agentenv/assets"))
+}
+
+pub fn base_image() -> String {
+    format!("oci:{}", assets_dir().join("base-image").display())
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Server {
+    pub child: Option<Child>,
+    pub base: String,
+    pub state_dir: PathBuf,
+    pub log_path: PathBuf,
+    pub config_path: PathBuf,
+}
+
+impl Server {
+    /// Starts a server with the given extra TOML appended to the test config.
+    pub fn start(extra_toml: &str) -> Server {
+        let state_dir =
+            std::env::temp_dir().join(format!("aenv-e2e-{}-{:x}", std::process::id(), rand_u64()));
+        std::fs::create_dir_all(&state_dir).unwrap();
+        let port = free_port();
+        let config_path = state_dir.join("config.toml");
+        let config = format!(
+            r#"
+[server]
+listen = "0.0.0.0:{port}"
+state_dir = "{state}"
+api_key = "{API_KEY}"
+
+[vm]
+assets_dir = "{assets}"
+default_memory_mb = 256
+default_cpu_count = 1
+default_disk_size_mb = 1024
+ready_timeout_secs = 60
+
+[network]
+pool_min = 1
+{extra_toml}
+"#,
+            state = state_dir.join("state").display(),
+            assets = assets_dir().display(),
+        );
+        std::fs::write(&config_path, config).unwrap();
+        let mut server = Server {
+            child: None,
+            base: format!("http://127.0.0.1:{port}"),
+            state_dir: state_dir.join("state"),
+            log_path: state_dir.join("server.log"),
+            config_path,
+        };
+        server.spawn();
+        server
+    }
+
+    /// (Re)starts the process on the same config and state dir.
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_agentenv"))
+            .args(["serve", "--config"])
+            .arg(&self.config_path)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(resp) = ureq::get(&format!("{}/health", self.base))
+                .timeout(Duration::from_secs(2))
+                .call()
+            {
+                assert_eq!(resp.status(), 204);
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("server exited during startup ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server not ready:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for a graceful exit.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    panic!("server did not stop within 60 s:\n{}", self.log());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// kill -9, as a crash.
+    pub fn crash(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let req = ureq::request(method, &format!("{}{}", self.base, path))
+            .set("X-API-Key", API_KEY)
+            .timeout(Duration::from_secs(180));
+        let result = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        let resp = match result {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = resp.status();
+        let text = resp.into_string().unwrap_or_default();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    /// Creates a sandbox from `image`, asserting 201.
+    pub fn create(&self, body: Value) -> Value {
+        let (status, v) = self.call("POST", "/sandboxes-cold", Some(body));
+        assert_eq!(status, 201, "create failed: {v}\n{}", self.log());
+        v
+    }
+
+    pub fn exec(&self, id: &str, cmd: &str, args: &[&str]) -> Value {
+        let (status, v) = self.call(
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            Some(serde_json::json!({"cmd": cmd, "args": args})),
+        );
+        assert_eq!(status, 200, "command failed: {v}");
+        v
+    }
+
+    /// Sends raw bytes and returns the status line's code and the whole response.
+    pub fn raw(&self, request: &str) -> (u16, String) {
+        let addr = self.base.trim_start_matches("http://");
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, out)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn rand_u64() -> u64 {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
+    u64::from_le_bytes(b)
+}
+
+/// Output of a host command, for inspecting the host.
+pub fn host(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn netns_files() -> Vec<String> {
+    std::fs::read_dir("/var/run/netns")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("agentenv-ns-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+pub fn aenv_links() -> Vec<String> {
+    host("ip", &["-o", "link"])
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_string())
+        .filter(|n| n.starts_with("aenv-"))
+        .collect()
+}
+
+/// PIDs of QEMU processes whose command line mentions `needle`.
+pub fn qemu_processes_with(needle: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains("qemu-system") && cmdline.contains(needle) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Files left under `dir` (recursively), for leak checks.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            out.push(e.path());
+            if e.path().is_dir() {
+                out.extend(files_under(&e.path()));
+            }
+        }
+    }
+    out
+}
+
+/// Waits until `f` is true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    f()
+}
