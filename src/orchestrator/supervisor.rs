@@ -192,15 +192,19 @@ fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), 
     match AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout) {
         Ok(agent) => Ok((runtime, Arc::new(agent))),
         Err(e) => {
+            let mut runtime = runtime;
             let tail = runtime.vm.console_tail(20);
+            let cause = match runtime.vm.try_wait() {
+                Some(status) => format!("the VM exited during boot ({status})"),
+                None => format!("no answer within {}s: {e}", timeout.as_secs()),
+            };
             log::error!(
                 "sandboxId={} op=boot result=error error=\"{e}\" console_tail=\n{tail}",
                 plan.id
             );
             runtime.teardown(shared);
             Err(OrchError::Internal(format!(
-                "guest agent did not become ready within {}s ({e}); the console log's last lines are in the server log",
-                timeout.as_secs()
+                "guest agent did not become ready: {cause}; the console log's last lines are in the server log"
             )))
         }
     }

@@ -42,6 +42,15 @@ pub struct Server {
 impl Server {
     /// Starts a server with the given extra TOML appended to the test config.
     pub fn start(extra_toml: &str) -> Server {
+        Server::start_full(&[], extra_toml)
+    }
+
+    /// Starts a server with some `[vm]` keys overridden (values are TOML literals).
+    pub fn start_with_vm(vm: &[(&str, String)]) -> Server {
+        Server::start_full(vm, "")
+    }
+
+    fn start_full(vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
         let state_dir =
             std::env::temp_dir().join(format!("aenv-e2e-{}-{:x}", std::process::id(), rand_u64()));
         std::fs::create_dir_all(&state_dir).unwrap();
@@ -55,18 +64,14 @@ state_dir = "{state}"
 api_key = "{API_KEY}"
 
 [vm]
-assets_dir = "{assets}"
-default_memory_mb = 256
-default_cpu_count = 1
-default_disk_size_mb = 1024
-ready_timeout_secs = 60
+{vm}
 
 [network]
 pool_min = 1
 {extra_toml}
 "#,
             state = state_dir.join("state").display(),
-            assets = assets_dir().display(),
+            vm = vm_table(vm_overrides),
         );
         std::fs::write(&config_path, config).unwrap();
         let mut server = Server {
@@ -204,6 +209,25 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// The test `[vm]` keys, with overrides.
+fn vm_table(overrides: &[(&str, String)]) -> String {
+    let mut keys = vec![
+        (
+            "assets_dir",
+            format!("{:?}", assets_dir().display().to_string()),
+        ),
+        ("default_memory_mb", "256".to_string()),
+        ("default_cpu_count", "1".to_string()),
+        ("default_disk_size_mb", "1024".to_string()),
+        ("ready_timeout_secs", "60".to_string()),
+    ];
+    for (k, v) in overrides {
+        keys.retain(|(key, _)| key != k);
+        keys.push((k, v.clone()));
+    }
+    keys.iter().map(|(k, v)| format!("{k} = {v}\n")).collect()
 }
 
 fn rand_u64() -> u64 {

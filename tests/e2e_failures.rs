@@ -1,0 +1,100 @@
+//! End-to-end failure paths against the real server: a guest that never becomes ready is
+//! killed and reported with nothing left behind, and a server killed with SIGKILL is
+//! cleaned up by the next start. The two servers run one after the other.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+#[test]
+fn failures_leave_nothing() {
+    guest_never_ready();
+    crash_then_restart_reclaims();
+}
+
+/// Pooled slots the server reports, to tell them from leaks.
+fn pooled_slots(s: &Server) -> usize {
+    let text = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("agentenv_network_slots{state=\"pooled\"}"))
+        .unwrap();
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn guest_never_ready() {
+    // Assets whose initramfs is garbage: the kernel finds no init and the guest agent
+    // never answers.
+    let assets = std::env::temp_dir().join(format!("aenv-bad-assets-{}", std::process::id()));
+    std::fs::create_dir_all(&assets).unwrap();
+    let kernel = agentenv::vm::guest_kernel(&assets_dir());
+    let _ = std::fs::remove_file(assets.join("vmlinuz"));
+    std::os::unix::fs::symlink(&kernel, assets.join("vmlinuz")).unwrap();
+    std::fs::write(assets.join("initramfs.cpio"), vec![0x5au8; 4096]).unwrap();
+    let mut server = Server::start_with_vm(&[
+        ("ready_timeout_secs", "5".to_string()),
+        ("assets_dir", format!("{:?}", assets.display().to_string())),
+    ]);
+    let (code, v) = server.call(
+        "POST",
+        "/sandboxes-cold",
+        Some(json!({"image": base_image()})),
+    );
+    assert_eq!(code, 500, "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("guest agent did not become ready"),
+        "{v}"
+    );
+    let log = server.log();
+    assert!(log.contains("op=boot result=error"), "{log}");
+    assert!(log.contains("console_tail"), "console tail logged: {log}");
+    assert!(files_under(&server.state_dir.join("sandboxes")).is_empty());
+    assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
+    let (_, list) = server.call("GET", "/v2/sandboxes", None);
+    assert_eq!(list, json!([]));
+    // Only pooled slots remain (the failed one was destroyed or went back to the pool).
+    assert!(wait_until(Duration::from_secs(5), || netns_files().len()
+        == pooled_slots(&server)));
+    server.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    let _ = std::fs::remove_dir_all(&assets);
+}
+
+fn crash_then_restart_reclaims() {
+    let mut server = Server::start("");
+    let sb = server.create(json!({"image": base_image(), "timeout": 600}));
+    let id = sb["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(qemu_processes_with(&id).len(), 1);
+    server.crash();
+    // QEMU dies with its supervisor thread (PR_SET_PDEATHSIG).
+    assert!(
+        wait_until(Duration::from_secs(10), || qemu_processes_with(&id)
+            .is_empty()),
+        "qemu outlived the crashed server"
+    );
+    assert!(
+        !netns_files().is_empty(),
+        "a crash leaves the slots for the next start"
+    );
+    server.spawn();
+    let (code, _) = server.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(code, 404);
+    assert!(!server.state_dir.join("sandboxes").join(&id).exists());
+    assert!(wait_until(Duration::from_secs(5), || netns_files().len()
+        == pooled_slots(&server)));
+    let log = server.log();
+    assert!(log.contains("op=reclaim"), "{log}");
+    server.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+}
