@@ -53,6 +53,129 @@ pub struct Config {
     pub images: ImagesConfig,
     pub metrics: MetricsConfig,
     pub api: ApiConfig,
+    pub custom_extension: CustomExtensionConfig,
+}
+
+/// `[custom_extension]` (custom-extension.md §1). `url` unset, empty or whitespace-only
+/// disables the extension.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomExtensionConfig {
+    #[serde(default)]
+    pub url: Option<String>,
+    pub timeout_ms: u64,
+    #[serde(default)]
+    pub auth_token: Option<String>,
+    /// Where `url` came from, for startup messages.
+    #[serde(skip)]
+    pub url_source: Source,
+    #[serde(skip)]
+    pub auth_token_source: Source,
+}
+
+/// Where a config value came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Source {
+    #[default]
+    File,
+    Environment,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::File => "config file",
+            Source::Environment => "environment",
+        })
+    }
+}
+
+impl CustomExtensionConfig {
+    /// The normalised base URL (CE §1.4), or `None` when the extension is disabled.
+    pub fn base_url(&self) -> Option<String> {
+        let url = self.url.as_deref()?.trim();
+        let url = url.trim_end_matches('/');
+        (!url.is_empty()).then(|| url.to_string())
+    }
+
+    /// The bearer token, when one is set and non-blank.
+    pub fn token(&self) -> Option<&str> {
+        self.auth_token.as_deref().filter(|t| !t.trim().is_empty())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        if !(1..=600_000).contains(&self.timeout_ms) {
+            return invalid(
+                "custom_extension.timeout_ms",
+                "must be within 1..=600000".into(),
+            );
+        }
+        if let Some(url) = self.base_url() {
+            if let Err(why) = check_extension_url(&url) {
+                return invalid(
+                    "custom_extension.url",
+                    format!("{url:?} (from the {}) {why}", self.url_source),
+                );
+            }
+        }
+        if let Some(token) = self.token() {
+            if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return invalid(
+                    "custom_extension.auth_token",
+                    format!(
+                        "(from the {}) must not contain whitespace or control characters",
+                        self.auth_token_source
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// CE §1.5: http or https, a host, no query, fragment or user credentials.
+fn check_extension_url(url: &str) -> Result<(), &'static str> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or("is not an http:// or https:// URL")?;
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return Err("must use http or https");
+    }
+    if rest.contains('?') {
+        return Err("must not have a query");
+    }
+    if rest.contains('#') {
+        return Err("must not have a fragment");
+    }
+    let authority = rest.split('/').next().unwrap_or("");
+    if authority.contains('@') {
+        return Err("must not contain user credentials");
+    }
+    let host = if authority.starts_with('[') {
+        authority
+            .split(']')
+            .next()
+            .map(|h| h.trim_start_matches('['))
+    } else {
+        authority
+            .rsplit_once(':')
+            .map(|(h, _)| h)
+            .or(Some(authority))
+    };
+    if host.is_none_or(str::is_empty) {
+        return Err("has no host");
+    }
+    if let Some((_, port)) = authority
+        .rsplit_once(':')
+        .filter(|_| !authority.ends_with(']'))
+    {
+        if !authority.starts_with('[') && port.parse::<u16>().is_err() {
+            return Err("has an invalid port");
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -259,6 +382,15 @@ impl Config {
                 "AENV_LISTEN_ADDR" if !v.is_empty() => self.server.listen = v.clone(),
                 "AENV_API_KEY" if !v.is_empty() => self.server.api_key = Some(v.clone()),
                 "AENV_STATE_DIR" if !v.is_empty() => self.server.state_dir = PathBuf::from(v),
+                // Set but blank still wins: it disables the extension (CE §1.3).
+                "AENV_CUSTOM_EXTENSION_URL" => {
+                    self.custom_extension.url = Some(v.clone());
+                    self.custom_extension.url_source = Source::Environment;
+                }
+                "AENV_CUSTOM_EXTENSION_AUTH_TOKEN" => {
+                    self.custom_extension.auth_token = Some(v.clone());
+                    self.custom_extension.auth_token_source = Source::Environment;
+                }
                 _ => {}
             }
         }
@@ -357,6 +489,7 @@ impl Config {
         if v.ready_timeout_secs == 0 {
             return invalid("vm.ready_timeout_secs", "must be at least 1".into());
         }
+        self.custom_extension.validate()?;
         if self.agent.max_concurrent_commands == 0 {
             return invalid("agent.max_concurrent_commands", "must be at least 1".into());
         }
@@ -442,6 +575,57 @@ mod tests {
         assert!(validate_api_key(&format!("{}!", "a".repeat(32))).is_err());
         let e = load(&format!("[server]\napi_key = \"{}\"\n", "short")).unwrap_err();
         assert!(e.to_string().contains("api_key"), "{e}");
+    }
+
+    #[test]
+    fn extension_url_normalisation_and_validation() {
+        let c = load("[custom_extension]\nurl = \"  http://ext:9090//  \"\n").unwrap();
+        assert_eq!(
+            c.custom_extension.base_url().as_deref(),
+            Some("http://ext:9090")
+        );
+        let c = load("[custom_extension]\nurl = \"http://127.0.0.1:9090/prefix/\"\n").unwrap();
+        assert_eq!(
+            c.custom_extension.base_url().as_deref(),
+            Some("http://127.0.0.1:9090/prefix")
+        );
+        let c = load("[custom_extension]\nurl = \"   \"\n").unwrap();
+        assert_eq!(c.custom_extension.base_url(), None);
+        for bad in [
+            "ftp://x",
+            "http://",
+            "http://x/?q=1",
+            "http://x/#f",
+            "http://u:p@x/",
+            "x:9090",
+        ] {
+            let e = load(&format!("[custom_extension]\nurl = \"{bad}\"\n")).unwrap_err();
+            assert!(e.to_string().contains("custom_extension.url"), "{bad}: {e}");
+            assert!(e.to_string().contains("config file"), "{bad}: {e}");
+        }
+        let e = load("[custom_extension]\ntimeout_ms = 0\n").unwrap_err();
+        assert!(e.to_string().contains("timeout_ms"), "{e}");
+        let e = load("[custom_extension]\nauth_token = \"a b\"\n").unwrap_err();
+        assert!(e.to_string().contains("auth_token"), "{e}");
+        let e = load("[custom_extension]\nurl2 = \"x\"\n").unwrap_err();
+        assert!(e.to_string().contains("url2"), "{e}");
+    }
+
+    #[test]
+    fn extension_env_overrides_even_when_blank() {
+        let env = vec![("AENV_CUSTOM_EXTENSION_URL".to_string(), " ".to_string())];
+        let c = Config::from_sources(
+            Some(("f", "[custom_extension]\nurl = \"http://a:1\"\n")),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.custom_extension.base_url(), None);
+        let env = vec![(
+            "AENV_CUSTOM_EXTENSION_URL".to_string(),
+            "gopher://x".to_string(),
+        )];
+        let e = Config::from_sources(None, &env).unwrap_err();
+        assert!(e.to_string().contains("environment"), "{e}");
     }
 
     #[test]
