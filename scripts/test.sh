@@ -7,4 +7,5 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PATH="$HOME/.cargo/bin:$PATH"
 "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-cargo test --release -- --test-threads=2
+# The host lock keeps a concurrent bench or test run from owning the same slot names.
+flock /run/agentenv-host.lock cargo test --release -- --test-threads=2
