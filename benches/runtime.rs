@@ -35,7 +35,11 @@ fn main() {
 
     println!("| measure | p50 | p90 | ratio (p50) |");
     println!("|---|---|---|---|");
-    row("raw floor: QEMU by hand → agent's first answer", &floor, None);
+    row(
+        "raw floor: QEMU by hand → agent's first answer",
+        &floor,
+        None,
+    );
     row(
         "cold start `POST /sandboxes-cold` (base image, cached)",
         &cold,
@@ -53,7 +57,11 @@ fn main() {
 
 fn row(name: &str, v: &[f64], ratio: Option<f64>) {
     let ratio = ratio.map(|r| format!("{r:.2}×")).unwrap_or_default();
-    println!("| {name} | {:.1} ms | {:.1} ms | {ratio} |", median(v), p90(v));
+    println!(
+        "| {name} | {:.1} ms | {:.1} ms | {ratio} |",
+        median(v),
+        p90(v)
+    );
 }
 
 fn sorted(v: &[f64]) -> Vec<f64> {
@@ -145,13 +153,18 @@ fn raw_floor(assets: &Path, base: &Path, work: &Path, accel: Accel, i: usize) ->
     let t = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")
         .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
-        .args(["-M", &machine, "-accel", accel_arg, "-cpu", cpu, "-smp", "1", "-m", "256M"])
+        .args([
+            "-M", &machine, "-accel", accel_arg, "-cpu", cpu, "-smp", "1", "-m", "256M",
+        ])
         .arg("-kernel")
         .arg(vm::guest_kernel(assets))
         .arg("-initrd")
         .arg(assets.join("initramfs.cpio"))
         .args(["-append", &append])
-        .args(["-serial", &format!("file:{}", dir.join("console.log").display())])
+        .args([
+            "-serial",
+            &format!("file:{}", dir.join("console.log").display()),
+        ])
         .args([
             "-drive",
             &format!("id=root,file={},format=qcow2,if=none", disk.display()),
@@ -164,7 +177,10 @@ fn raw_floor(assets: &Path, base: &Path, work: &Path, accel: Accel, i: usize) ->
             "-device",
             "virtio-net-device,netdev=net0,mac=06:00:a9:fe:00:15",
             "-chardev",
-            &format!("socket,id=agent,path={},server=on,wait=off", agent.display()),
+            &format!(
+                "socket,id=agent,path={},server=on,wait=off",
+                agent.display()
+            ),
             "-device",
             "virtio-serial-device",
             "-device",
@@ -224,7 +240,10 @@ impl BenchServer {
             base: format!("http://127.0.0.1:{port}"),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while ureq::get(&format!("{}/health", server.base)).call().is_err() {
+        while ureq::get(&format!("{}/health", server.base))
+            .call()
+            .is_err()
+        {
             assert!(Instant::now() < deadline, "server did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -270,7 +289,10 @@ impl BenchServer {
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
         });
         let rate = lat.len() as f64 / start.elapsed().as_secs_f64();
         (lat, rate)

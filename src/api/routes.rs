@@ -158,8 +158,9 @@ fn extension_params(f: &Fields) -> Result<Value, ApiError> {
     }
 }
 
-/// `allowInternetAccess` / `allow_internet_access` (network.md §5.4).
-fn internet_access(ctx: &Context, f: &Fields) -> Result<(), ApiError> {
+/// `allowInternetAccess` / `allow_internet_access` (network.md §5.4): absent → the
+/// server default.
+fn internet_access(ctx: &Context, f: &Fields) -> Result<Option<bool>, ApiError> {
     let wanted = match f.bool("allowInternetAccess")? {
         Some(v) => Some(v),
         None => f.bool("allow_internet_access")?,
@@ -169,7 +170,7 @@ fn internet_access(ctx: &Context, f: &Fields) -> Result<(), ApiError> {
             "outbound access is disabled on this server",
         ));
     }
-    Ok(())
+    Ok(wanted)
 }
 
 fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
@@ -218,7 +219,7 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let env_vars = f.string_map("envVars")?;
     check_env("envVars", &env_vars)?;
     reject_unsupported(&f)?;
-    internet_access(ctx, &f)?;
+    let allow_internet_access = internet_access(ctx, &f)?;
     let custom_extension_params = extension_params(&f)?;
     let info = ctx.orchestrator.create_cold(ColdStart {
         image,
@@ -230,6 +231,7 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         metadata,
         env_vars,
         custom_extension_params,
+        allow_internet_access,
     })?;
     Ok(created(ctx, &info, 201))
 }

@@ -43,7 +43,7 @@ struct State {
 }
 
 pub(crate) struct Shared {
-    host: Arc<dyn NetHost>,
+    pub(crate) host: Arc<dyn NetHost>,
     netns_dir: PathBuf,
     host_cidr: Cidr,
     veth_cidr: Cidr,
@@ -135,6 +135,10 @@ impl Shared {
     /// Release checks (§4.2–4.4): clean → flush → pool tail, else destroy.
     fn recycle(&self, mut parts: SlotParts) {
         let index = parts.layout.index;
+        if parts.dedicated {
+            log::debug!("slot={index} op=release outcome=destroy reason=dedicated");
+            return self.destroy(parts);
+        }
         if let Some(found) = slot::dirt(&*self.host, &mut parts) {
             log::info!("slot={index} op=release outcome=destroy reason=\"not clean: {found}\"");
             return self.destroy(parts);

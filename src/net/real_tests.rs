@@ -379,3 +379,48 @@ fn create_and_destroy_timing() {
     m.shutdown();
     assert!(leftovers().is_empty(), "{:?}", leftovers());
 }
+
+#[test]
+fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
+    let _g = SERIAL.lock();
+    let mut guard = Cleanup(None);
+    let mut c = cfg(8, 0, 4);
+    c.outbound = true;
+    c.dns = "192.0.2.53".into();
+    let m = SlotManager::start(&c, &[]).unwrap();
+    guard.0 = Some(m.clone());
+    let mut slot = m.acquire().unwrap();
+    let ns = slot
+        .netns_path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let (_, before) = run(&[
+        "ip", "netns", "exec", &ns, "nft", "list", "chain", "ip", "agentenv", "forward",
+    ]);
+    assert!(
+        !before.contains("oifname \"veth0\" ct state new drop"),
+        "{before}"
+    );
+    slot.deny_outbound().unwrap();
+    let (ok, after) = run(&[
+        "ip", "netns", "exec", &ns, "nft", "list", "chain", "ip", "agentenv", "forward",
+    ]);
+    assert!(ok, "{after}");
+    // The drop comes before the outbound accept rules.
+    let drop_at = after
+        .find("iifname \"tap0\" oifname \"veth0\" ct state new drop")
+        .unwrap_or_else(|| panic!("no drop rule: {after}"));
+    let accept_at = after
+        .rfind("oifname \"veth0\" ct state new accept")
+        .unwrap();
+    assert!(drop_at < accept_at, "{after}");
+    let path = slot.netns_path().to_path_buf();
+    m.release(slot);
+    assert!(
+        wait_until(Duration::from_secs(5), || !path.exists()),
+        "dedicated slot was pooled"
+    );
+    assert_eq!(m.stats().pooled, 0);
+}

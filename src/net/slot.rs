@@ -2,7 +2,7 @@
 
 use super::firewall::{slot_ruleset, FirewallPolicy};
 use super::host::{NetHost, NsHandle, NsSnapshot};
-use super::layout::SlotLayout;
+use super::layout::{SlotLayout, TAP_NAME, VETH_NS_NAME};
 use super::manager::Shared;
 use super::NetError;
 use std::net::Ipv4Addr;
@@ -14,6 +14,8 @@ pub(crate) struct SlotParts {
     pub layout: SlotLayout,
     pub ns: NsHandle,
     pub clean: NsSnapshot,
+    /// Changed for one sandbox (outbound denied): never pooled again.
+    pub dedicated: bool,
 }
 
 /// Undo steps, registered before the step after the one they undo runs.
@@ -93,7 +95,12 @@ pub(crate) fn create(
     let clean = host.snapshot(&mut ns)?;
     rb.steps.clear();
     drop(rb);
-    Ok(SlotParts { layout, ns, clean })
+    Ok(SlotParts {
+        layout,
+        ns,
+        clean,
+        dedicated: false,
+    })
 }
 
 /// Tears a slot down: link, then mount, then file (§3.3).
@@ -163,6 +170,20 @@ impl Slot {
     /// [`crate::sys::netns::spawn_in_netns`]).
     pub fn open_netns(&self) -> std::io::Result<std::fs::File> {
         std::fs::File::open(self.netns_path())
+    }
+
+    /// Drops every new outbound connection of this slot's guest, whatever `[network]
+    /// outbound` says (per-sandbox `allowInternetAccess: false`, network.md §5.4). The
+    /// slot is destroyed rather than pooled when released.
+    pub fn deny_outbound(&mut self) -> Result<(), NetError> {
+        let parts = self.parts.as_mut().expect("slot parts present until drop");
+        parts.dedicated = true;
+        let rule = format!(
+            "insert rule ip agentenv forward iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new drop\n"
+        );
+        self.shared
+            .host
+            .load_ruleset(Some(&parts.layout.ns_path), &rule)
     }
 
     fn layout(&self) -> &SlotLayout {

@@ -41,6 +41,8 @@ pub struct ColdStart {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub custom_extension_params: serde_json::Value,
+    /// `None`: the server default (`[network] outbound`).
+    pub allow_internet_access: Option<bool>,
 }
 
 /// A command request from the API; the env is merged here.

@@ -55,6 +55,8 @@ pub struct SandboxInfo {
     /// The image's own environment, lowest precedence for commands.
     pub image_env: Vec<(String, String)>,
     pub auto_pause: bool,
+    /// Whether the guest may open outbound connections (kept across pause and resume).
+    pub internet_access: bool,
     pub timeout_secs: u64,
     pub custom_extension_params: serde_json::Value,
     pub state: SandboxState,

@@ -82,7 +82,12 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
         req.disk_size_mb,
     )
     .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let slot = shared.slots.acquire()?;
+    let internet_access =
+        shared.config.network.outbound && req.allow_internet_access != Some(false);
+    let mut slot = shared.slots.acquire()?;
+    if shared.config.network.outbound && !internet_access {
+        slot.deny_outbound()?;
+    }
     let host_ip = slot.host_ip();
     let netns_path = slot.netns_path().to_path_buf();
     let plan = BootPlan {
@@ -119,6 +124,7 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
         env_vars: req.env_vars,
         image_env: image.env.clone(),
         auto_pause: req.auto_pause,
+        internet_access,
         timeout_secs: req.timeout_secs,
         custom_extension_params: req.custom_extension_params,
         state: SandboxState::Running,
