@@ -159,7 +159,7 @@ fn raw_floor(assets: &Path, base: &Path, work: &Path, accel: Accel, i: usize) ->
         .arg("-kernel")
         .arg(vm::guest_kernel(assets))
         .arg("-initrd")
-        .arg(assets.join("initramfs.cpio"))
+        .arg(assets.join("initramfs.img"))
         .args(["-append", &append])
         .args([
             "-serial",

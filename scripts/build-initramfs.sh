@@ -1,12 +1,13 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # Builds the guest initramfs: /init = the static agent, plus the virtio modules it loads
 # (in /lib/modules/order's order) before the root disk and the NIC exist.
 #
-# usage: build-initramfs.sh <agent-binary> <kernel-modules-dir (.../lib/modules/VER)> <out.cpio>
-set -eu
+# usage: build-initramfs.sh <agent-binary> <kernel-modules-dir (.../lib/modules/VER)> <out.img>
+# The output is a gzip-compressed newc cpio archive.
+set -euo pipefail
 
 if [ "$#" -ne 3 ]; then
-    echo "usage: $0 <agent-binary> <kernel-modules-dir> <out.cpio>" >&2
+    echo "usage: $0 <agent-binary> <kernel-modules-dir> <out.img>" >&2
     exit 2
 fi
 agent=$1
@@ -32,8 +33,11 @@ for m in $modules; do
     echo "$m" >> "$stage/lib/modules/order"
 done
 
-# Explicit, sorted file list; paths are relative to the staging dir.
+# Explicit, sorted file list; paths are relative to the staging dir. The archive is
+# gzip-compressed: the kernel's early boot code scans an uncompressed initramfs for
+# firmware and ACPI tables, and with some agent binaries (seen with 4.8 MB ones) a PVH
+# boot then hung at "ACPI: Core revision"; a compressed archive is never scanned.
 tmp_out="$out.tmp.$$"
-(cd "$stage" && find . -mindepth 1 | sed "s|^\./||" | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) > "$tmp_out"
+(cd "$stage" && find . -mindepth 1 | sed "s|^\./||" | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) | gzip -1 > "$tmp_out"
 mv "$tmp_out" "$out"
 echo "wrote $out ($(wc -c < "$out") bytes)" >&2

@@ -38,7 +38,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 need=()
-for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils; do
+for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 major=$(qemu_major || true)
@@ -68,8 +68,9 @@ AGENT="$ROOT/target/$AGENT_TARGET/release/agentenv-agent"
 [ -x "$AGENT" ] || die "agent binary missing at $AGENT"
 
 step "guest initramfs"
-"$ROOT/scripts/build-initramfs.sh" "$AGENT" "$ASSETS/modules" "$ASSETS/initramfs.cpio.tmp"
-mv -f "$ASSETS/initramfs.cpio.tmp" "$ASSETS/initramfs.cpio"
+"$ROOT/scripts/build-initramfs.sh" "$AGENT" "$ASSETS/modules" "$ASSETS/initramfs.img.tmp"
+mv -f "$ASSETS/initramfs.img.tmp" "$ASSETS/initramfs.img"
+rm -f "$ASSETS/initramfs.cpio"  # the uncompressed archive of earlier versions
 
 step "built-in base image"
 rm -rf "$ASSETS/base-image.tmp"

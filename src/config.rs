@@ -244,6 +244,24 @@ pub struct SandboxConfig {
 #[serde(deny_unknown_fields)]
 pub struct ImagesConfig {
     pub insecure_registries: Vec<String>,
+    /// Registry logins; they take precedence over `docker_config`.
+    pub credentials: Vec<RegistryCredential>,
+    /// A Docker `config.json` whose `auths` are used for registry logins; "" = none.
+    pub docker_config: String,
+    /// Cap on the image cache (blobs and base disks) in MiB; 0 = no cap.
+    pub cache_max_mb: u64,
+    pub connect_timeout_secs: u64,
+    pub read_timeout_secs: u64,
+}
+
+/// One `[[images.credentials]]` entry: basic credentials for a registry (`host[:port]`,
+/// `docker.io` for Docker Hub).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryCredential {
+    pub registry: String,
+    pub username: String,
+    pub password: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -412,6 +430,12 @@ impl Config {
         }
         if self.server.http_threads == 0 {
             return invalid("server.http_threads", "must be at least 1".into());
+        }
+        if self.images.connect_timeout_secs == 0 {
+            return invalid("images.connect_timeout_secs", "must be at least 1".into());
+        }
+        if self.images.read_timeout_secs == 0 {
+            return invalid("images.read_timeout_secs", "must be at least 1".into());
         }
         let n = &self.network;
         let host = Cidr::parse(&n.host_interaction_cidr);

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod api;
 pub mod config;
 pub mod guest;
+pub mod hooks;
 pub mod image;
 pub mod net;
 pub mod orchestrator;

@@ -50,10 +50,10 @@ pub fn check(config: &Config) -> Vec<String> {
             assets.display()
         ));
     }
-    if !assets.join("initramfs.cpio").is_file() {
+    if !assets.join("initramfs.img").is_file() {
         problems.push(format!(
             "{} missing: run scripts/setup.sh to build the guest agent's initramfs",
-            assets.join("initramfs.cpio").display()
+            assets.join("initramfs.img").display()
         ));
     }
     if find_in_path(Path::new("mkfs.ext4")).is_none() {

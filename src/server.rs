@@ -3,6 +3,7 @@
 
 use crate::api::{ApiServer, Context};
 use crate::config::{self, Config};
+use crate::hooks::HookClient;
 use crate::net::SlotManager;
 use crate::orchestrator::Orchestrator;
 use crate::{preflight, store, sys};
@@ -43,10 +44,16 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     remove_stale_sandboxes(&state_dir.join("sandboxes"));
     let accel = crate::vm::detect_accel(config.vm.accel)?;
     log::info!("op=startup accel={accel:?}");
-    let slots = SlotManager::start(&config.network, &[])?;
+    let hooks = HookClient::start(&config.custom_extension, state_dir.join("journal"))?;
+    // Slots recorded for open instances stay until their recovery stop's first attempt,
+    // so the extension can still enter the namespace (network.md §6.3, CE §9.3).
+    let kept = hooks.recovering_slots();
+    let slots = SlotManager::start(&config.network, &kept)?;
+    hooks.recover();
+    reclaim_after_recovery(hooks.clone(), slots.clone(), kept);
     let listen = config.server.listen.clone();
     let threads = config.server.http_threads;
-    let orchestrator = Arc::new(Orchestrator::start(config, slots, accel));
+    let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
     let api = ApiServer::start(
         &listen,
         threads,
@@ -64,6 +71,25 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     api.stop();
     log::info!("op=shutdown result=done");
     Ok(())
+}
+
+/// Reclaims the slots kept for recovery stops once their first attempts are done, in the
+/// background: the API serves meanwhile (CE §9.4).
+fn reclaim_after_recovery(hooks: Arc<HookClient>, slots: Arc<SlotManager>, kept: Vec<u32>) {
+    if kept.is_empty() {
+        return;
+    }
+    std::thread::Builder::new()
+        .name("recovery".into())
+        .spawn(move || {
+            while !hooks.wait_recovery_first_attempts(std::time::Duration::from_secs(60)) {}
+            for index in kept {
+                if let Err(e) = slots.reclaim_kept(index) {
+                    log::warn!("op=reclaim slot={index} error=\"{e}\"");
+                }
+            }
+        })
+        .expect("spawn recovery thread");
 }
 
 /// api.md §1.2: env, then config, then `<state_dir>/api-key` (generated, mode 0600).

@@ -142,13 +142,17 @@ fn body_rules(s: &Server) {
 
 fn bad_images_leave_nothing(s: &Server) {
     let before_ns = netns_files().len();
-    for image in [
-        "oci:/nonexistent/layout",
-        "oci:relative/path",
-        "docker.io/library/ubuntu:24.04",
+    // A loopback port where no registry listens: unreachable → 502, with no traffic
+    // leaving the machine.
+    let unreachable = format!("127.0.0.1:{}/nothing:latest", free_port());
+    for (image, want) in [
+        ("oci:/nonexistent/layout", 400),
+        ("oci:relative/path", 400),
+        ("Not A Reference", 400),
+        (unreachable.as_str(), 502),
     ] {
         let (code, v) = s.call("POST", "/sandboxes-cold", Some(json!({"image": image})));
-        assert_eq!(code, 400, "{image} -> {v}");
+        assert_eq!(code, want, "{image} -> {v}");
         assert!(v["message"].as_str().unwrap().len() > 10, "{v}");
     }
     assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());

@@ -58,6 +58,7 @@ impl From<OrchError> for ApiError {
             OrchError::Upstream(_) => 502,
             OrchError::Unavailable(_) => 503,
             OrchError::Internal(_) => 500,
+            OrchError::NotImplemented(_) => 501,
         };
         ApiError::new(status, e.message())
     }

@@ -2,7 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::{models, query, ApiError, Context, Reply};
-use crate::orchestrator::{ColdStart, CommandRequest, SandboxInfo};
+use crate::orchestrator::{Call, ColdStart, CommandRequest, SandboxInfo};
 use crate::util::is_uuid;
 use serde_json::{json, Value};
 use std::io::Read;
@@ -53,6 +53,8 @@ fn sandbox_route(
             | ["connect"]
             | ["resume"]
             | ["pause"]
+            | ["snapshots"]
+            | ["fork"]
             | ["commands"]
             | ["files"]
             | ["custom-extension-params"]
@@ -69,6 +71,8 @@ fn sandbox_route(
         (["connect"], Method::Post) => connect(ctx, req, id, true),
         (["resume"], Method::Post) => connect(ctx, req, id, false),
         (["pause"], Method::Post) => pause(ctx, req, id),
+        (["snapshots"], Method::Post) => snapshot(ctx, req, id),
+        (["fork"], Method::Post) => fork(ctx, req, id),
         (["commands"], Method::Post) => run_command(ctx, req, id),
         (["files"], Method::Get) => download(ctx, id, query),
         (["files"], Method::Put) => upload(ctx, req, id, query),
@@ -145,10 +149,11 @@ fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
 }
 
 /// `customExtensionParams` (CE §10.2): object or null; non-empty needs an extension.
-fn extension_params(f: &Fields) -> Result<Value, ApiError> {
+fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
     match f.raw("customExtensionParams") {
         None | Some(Value::Null) => Ok(json!({})),
         Some(Value::Object(m)) if m.is_empty() => Ok(json!({})),
+        Some(v @ Value::Object(_)) if ctx.orchestrator.extension_enabled() => Ok(v.clone()),
         Some(Value::Object(_)) => Err(ApiError::bad_request(
             "customExtensionParams given but no custom extension is configured ([custom_extension].url is unset)",
         )),
@@ -220,7 +225,7 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     check_env("envVars", &env_vars)?;
     reject_unsupported(&f)?;
     let allow_internet_access = internet_access(ctx, &f)?;
-    let custom_extension_params = extension_params(&f)?;
+    let custom_extension_params = extension_params(ctx, &f)?;
     let info = ctx.orchestrator.create_cold(ColdStart {
         image,
         cpu_count,
@@ -391,14 +396,35 @@ fn connect(
             .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs)
     };
     let id = checked_id(id)?;
-    let info = ctx.orchestrator.connect_running(id, secs, is_connect)?;
-    Ok(created(ctx, &info, if is_connect { 200 } else { 201 }))
+    let connected = ctx.orchestrator.connect(id, secs, is_connect)?;
+    // Resume answers 201 either way; connect answers 200 when it only extended the TTL.
+    let status = if is_connect && !connected.resumed {
+        200
+    } else {
+        201
+    };
+    Ok(created(ctx, &connected.info, status))
 }
 
 fn pause(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
     body(ctx, req)?;
-    ctx.orchestrator.get(checked_id(id)?)?;
-    Err(ApiError::new(501, "pause is not implemented yet"))
+    ctx.orchestrator
+        .not_implemented(checked_id(id)?, Call::Pause, "pause")?;
+    Ok(Reply::Empty(204))
+}
+
+fn snapshot(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    body(ctx, req)?;
+    ctx.orchestrator
+        .not_implemented(checked_id(id)?, Call::Snapshot, "snapshots")?;
+    Err(ApiError::new(501, "snapshots are not implemented yet"))
+}
+
+fn fork(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    body(ctx, req)?;
+    ctx.orchestrator
+        .not_implemented(checked_id(id)?, Call::Fork, "fork")?;
+    Err(ApiError::new(501, "fork is not implemented yet"))
 }
 
 fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
@@ -407,11 +433,11 @@ fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
 }
 
 fn patch_params(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
-    body(ctx, req)?;
-    ctx.orchestrator.get(checked_id(id)?)?;
-    Err(ApiError::bad_request(
-        "no custom extension is configured ([custom_extension].url is unset)",
-    ))
+    let f = body(ctx, req)?;
+    let params = ctx
+        .orchestrator
+        .patch_params(checked_id(id)?, Value::Object(f.0))?;
+    Ok(Reply::json(200, params))
 }
 
 fn run_command(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {

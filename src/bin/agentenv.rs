@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: agentenv serve [--config PATH]
        agentenv build-base-image --out DIR [--busybox PATH]
+       agentenv images [--config PATH]
        agentenv --version";
 
 fn main() -> ExitCode {
@@ -45,9 +46,69 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some("images") => match list_images(flag("--config").as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("agentenv: {e}");
+                ExitCode::FAILURE
+            }
+        },
         _ => {
             eprintln!("{USAGE}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// Prints the image cache (pulled blobs and built base disks), most recently used first.
+fn list_images(config: Option<&std::path::Path>) -> Result<(), String> {
+    let config = agentenv::config::Config::load(config).map_err(|e| e.to_string())?;
+    let dir = config.server.state_dir.join("images");
+    // Read-only: unlike ImageStore, this leaves a running server's downloads alone.
+    let entries = agentenv::image::cache::BlobCache::new(dir.clone())
+        .list()
+        .map_err(|e| e.to_string())?;
+    println!(
+        "{:<10} {:<71} {:>8} {:>10} {:>8} IN USE",
+        "KIND", "DIGEST", "DISK MB", "SIZE MB", "AGE"
+    );
+    let mut total = 0;
+    for e in &entries {
+        total += e.bytes;
+        let kind = match e.kind {
+            agentenv::image::EntryKind::Blob => "blob",
+            agentenv::image::EntryKind::BaseDisk => "base-disk",
+        };
+        let age = e.last_used.elapsed().map(|d| d.as_secs()).unwrap_or(0);
+        println!(
+            "{kind:<10} {:<71} {:>8} {:>10.1} {:>8} {}",
+            e.digest,
+            e.size_mb
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "-".into()),
+            e.bytes as f64 / 1048576.0,
+            human_age(age),
+            if e.in_use { "yes" } else { "no" }
+        );
+    }
+    let cap = match config.images.cache_max_mb {
+        0 => "no cap".to_string(),
+        mb => format!("cap {mb} MiB"),
+    };
+    println!(
+        "{} entries, {:.1} MiB in {} ({cap})",
+        entries.len(),
+        total as f64 / 1048576.0,
+        dir.display()
+    );
+    Ok(())
+}
+
+fn human_age(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
     }
 }

@@ -1,4 +1,4 @@
-//! Reading images: blob sources (a local OCI layout today, a registry later), descriptor
+//! Reading images: blob sources (a local OCI layout; registries are in `registry.rs`), descriptor
 //! resolution from index to manifest to config, and digest verification of every blob.
 
 use std::collections::BTreeMap;
@@ -184,6 +184,11 @@ pub trait BlobSource: Send + Sync {
     /// Opens the blob `desc` names. The reader is not verified; callers wrap it in a
     /// [`VerifyingReader`].
     fn open_blob(&self, desc: &Descriptor) -> Result<Box<dyn Read + Send>, ImageError>;
+    /// Makes the layers local before they are applied (a registry downloads them in
+    /// parallel into the cache). Local sources have nothing to do.
+    fn prefetch(&self, _layers: &[Descriptor]) -> Result<(), ImageError> {
+        Ok(())
+    }
 }
 
 /// A local OCI image layout directory (as skopeo and umoci write them).

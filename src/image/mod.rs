@@ -1,18 +1,21 @@
-//! Images: reference parsing, blob reading with digest checks, layer unpacking and the
-//! ext4 root disk cache.
+//! Images: reference parsing, registry pulls, blob reading with digest checks, layer
+//! unpacking and the ext4 root disk cache.
 //!
-//! `prepare_rootfs` resolves a reference to one linux/amd64 manifest, and either finds
-//! `<cache>/<manifest hex>-<size>M.ext4` or builds it: layers are verified and applied to
-//! a staging directory, which `mkfs.ext4 -d` turns into a temp image that is renamed into
-//! place. Everything temporary lives under `<cache>/tmp` and is removed on every path.
+//! `prepare_rootfs` resolves a reference (a local OCI layout or a registry image) to one
+//! linux/amd64 manifest, and either finds `<cache>/<manifest hex>-<size>M.ext4` or builds
+//! it: registry layers are downloaded into the blob cache (see `cache.rs`), layers are
+//! verified and applied to a staging directory, which `mkfs.ext4 -d` turns into a temp
+//! image that is renamed into place. Everything temporary lives under `<cache>/tmp` and is
+//! removed on every path.
 
+pub mod cache;
 pub mod layout;
 pub mod reference;
+pub mod registry;
 pub mod rootfs;
 pub mod unpack;
 pub mod writer;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -20,10 +23,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
-
+use cache::{BlobCache, KeyedLocks};
+pub use cache::{CacheEntry, EntryKind};
 use layout::{BlobSource, Compression, LayoutSource, ResolvedImage, VerifyingReader};
 pub use reference::{Reference, RegistryReference};
+use registry::RegistryClient;
+pub use registry::{ImageOptions, RegistrySource};
 pub use writer::{build_busybox_layout, ImageSpec, LayerBlob, LayerBuilder, LayoutWriter};
 
 /// Why an image could not be prepared. Messages name the reference and the reason.
@@ -31,8 +36,12 @@ pub use writer::{build_busybox_layout, ImageSpec, LayerBlob, LayerBuilder, Layou
 pub enum ImageError {
     /// The reference string is malformed or ambiguous.
     InvalidReference(String),
-    /// The layout, tag or image does not exist.
+    /// The layout, repository, tag or image does not exist.
     NotFound(String),
+    /// The registry refused access (no or wrong credentials).
+    Denied(String),
+    /// The registry (or its token server) is unreachable, timed out or failed (5xx).
+    Upstream(String),
     /// The image is corrupt or hostile: digest mismatch, missing blob, escaping path,
     /// unknown media type.
     BadImage(String),
@@ -45,9 +54,15 @@ pub enum ImageError {
 }
 
 impl ImageError {
-    /// Whether the caller is at fault (HTTP 400) rather than the host (500).
+    /// Whether the caller is at fault (HTTP 400) rather than the host (500) or the
+    /// registry (502).
     pub fn is_client_error(&self) -> bool {
-        !matches!(self, ImageError::Io(_))
+        !matches!(self, ImageError::Io(_) | ImageError::Upstream(_))
+    }
+
+    /// Whether a registry failed (HTTP 502).
+    pub fn is_upstream(&self) -> bool {
+        matches!(self, ImageError::Upstream(_))
     }
 
     /// Prefixes the message with `context` (a reference or layer name).
@@ -57,6 +72,8 @@ impl ImageError {
                 ImageError::InvalidReference(format!("{context}: {m}"))
             }
             ImageError::NotFound(m) => ImageError::NotFound(format!("{context}: {m}")),
+            ImageError::Denied(m) => ImageError::Denied(format!("{context}: {m}")),
+            ImageError::Upstream(m) => ImageError::Upstream(format!("{context}: {m}")),
             ImageError::BadImage(m) => ImageError::BadImage(format!("{context}: {m}")),
             ImageError::Unsupported(m) => ImageError::Unsupported(format!("{context}: {m}")),
             ImageError::Io(m) => ImageError::Io(format!("{context}: {m}")),
@@ -70,6 +87,8 @@ impl fmt::Display for ImageError {
         match self {
             ImageError::InvalidReference(m) => write!(f, "invalid image reference {m}"),
             ImageError::NotFound(m) => write!(f, "image not found: {m}"),
+            ImageError::Denied(m) => write!(f, "image access denied: {m}"),
+            ImageError::Upstream(m) => write!(f, "image registry failed: {m}"),
             ImageError::BadImage(m) => write!(f, "bad image: {m}"),
             ImageError::TooSmall { needed_mb } => write!(
                 f,
@@ -82,6 +101,22 @@ impl fmt::Display for ImageError {
 }
 
 impl std::error::Error for ImageError {}
+
+/// Where the time of one `prepare_rootfs` went, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseTimings {
+    /// Manifest and config: from the registry (or cache), verified.
+    pub resolve_ms: u64,
+    /// Layer downloads into the blob cache (0 for local layouts and cache hits).
+    pub download_ms: u64,
+    /// Decompressing, verifying and applying the layers.
+    pub unpack_ms: u64,
+    /// `mkfs.ext4 -d`, fsync and rename.
+    pub mkfs_ms: u64,
+    pub total_ms: u64,
+    /// Whether the base disk was already cached.
+    pub cache_hit: bool,
+}
 
 /// A ready base disk and the config a sandbox needs from the image.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,20 +133,28 @@ pub struct PreparedImage {
     pub entrypoint: Option<Vec<String>>,
 }
 
-/// The ext4 base-disk cache under `<state_dir>/images`.
+/// The image cache under `<state_dir>/images`: pulled blobs and built ext4 base disks.
 pub struct ImageStore {
     cache_dir: PathBuf,
-    /// One lock per cache key, so concurrent callers build each disk once.
-    building: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    cache: Arc<BlobCache>,
+    client: Arc<RegistryClient>,
+    cache_max_bytes: u64,
+    /// One lock per base disk, so concurrent callers build each disk once. Other images
+    /// and other callers never wait for a build.
+    building: KeyedLocks,
     builds: AtomicU64,
+    last_timings: parking_lot::Mutex<PhaseTimings>,
 }
 
-static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
-
 impl ImageStore {
-    /// A store caching under `cache_dir`. Leftovers of builds interrupted by a crash
-    /// (`<cache_dir>/tmp`) are removed: one server owns a state dir.
+    /// A store caching under `cache_dir` with default options (anonymous pulls, no cap).
     pub fn new(cache_dir: PathBuf) -> ImageStore {
+        ImageStore::with_options(cache_dir, ImageOptions::default())
+    }
+
+    /// A store caching under `cache_dir`. Leftovers of pulls and builds interrupted by a
+    /// crash (`<cache_dir>/tmp`) are removed: one server owns a state dir.
+    pub fn with_options(cache_dir: PathBuf, options: ImageOptions) -> ImageStore {
         let tmp = cache_dir.join("tmp");
         if tmp.exists() {
             if let Err(e) = fs::remove_dir_all(&tmp) {
@@ -119,10 +162,24 @@ impl ImageStore {
             }
         }
         ImageStore {
+            cache: Arc::new(BlobCache::new(cache_dir.clone())),
+            cache_max_bytes: options.cache_max_mb.saturating_mul(1 << 20),
+            client: Arc::new(RegistryClient::new(options)),
             cache_dir,
-            building: Mutex::new(HashMap::new()),
+            building: KeyedLocks::default(),
             builds: AtomicU64::new(0),
+            last_timings: parking_lot::Mutex::new(PhaseTimings::default()),
         }
+    }
+
+    /// The phases of the most recent `prepare_rootfs` that succeeded (for benchmarks).
+    pub fn last_timings(&self) -> PhaseTimings {
+        *self.last_timings.lock()
+    }
+
+    /// What the cache holds, most recently used first.
+    pub fn list_cache(&self) -> Result<Vec<CacheEntry>, ImageError> {
+        self.cache.list()
     }
 
     pub fn cache_dir(&self) -> &Path {
@@ -157,31 +214,57 @@ impl ImageStore {
                 "disk size must be positive".into(),
             ));
         }
-        let source = source_for(parsed)?;
+        let started = Instant::now();
+        let source = self.source_for(parsed)?;
         let image = layout::resolve(source.as_ref())?;
+        let mut timings = PhaseTimings {
+            resolve_ms: elapsed_ms(started),
+            cache_hit: true,
+            ..PhaseTimings::default()
+        };
         let hex = layout::digest_hex(&image.manifest_digest)?.to_string();
         let key = format!("{hex}-{disk_size_mb}M");
         let base_disk = self.cache_dir.join(format!("{key}.ext4"));
 
-        let lock = self.building.lock().entry(key.clone()).or_default().clone();
-        {
-            let _guard = lock.lock();
-            if !base_disk.is_file() {
-                let started = Instant::now();
-                self.build(source.as_ref(), &image, &key, disk_size_mb, &base_disk)?;
-                self.builds.fetch_add(1, Ordering::Relaxed);
-                log::info!(
-                    "op=image-build reference={parsed} digest={} sizeMb={disk_size_mb} ms={}",
-                    image.manifest_digest,
-                    started.elapsed().as_millis()
-                );
+        let built = self.building.with(&key, || {
+            if base_disk.is_file() {
+                cache::touch(&base_disk);
+                return Ok(false);
             }
-        }
-        // Drop the per-key lock entry once nobody else holds it.
-        {
-            let mut map = self.building.lock();
-            if Arc::strong_count(&lock) == 2 {
-                map.remove(&key);
+            self.build(
+                source.as_ref(),
+                &image,
+                &key,
+                disk_size_mb,
+                &base_disk,
+                &mut timings,
+            )?;
+            self.builds.fetch_add(1, Ordering::Relaxed);
+            timings.cache_hit = false;
+            log::info!(
+                "op=image-build reference={parsed} digest={} sizeMb={disk_size_mb} ms={} \
+                 resolveMs={} downloadMs={} unpackMs={} mkfsMs={}",
+                image.manifest_digest,
+                started.elapsed().as_millis(),
+                timings.resolve_ms,
+                timings.download_ms,
+                timings.unpack_ms,
+                timings.mkfs_ms,
+            );
+            Ok::<bool, ImageError>(true)
+        })?;
+        timings.total_ms = elapsed_ms(started);
+        *self.last_timings.lock() = timings;
+        if built && self.cache_max_bytes > 0 {
+            let busy = |p: &Path| {
+                p == base_disk
+                    || p.file_name()
+                        .and_then(|n| n.to_str())
+                        .and_then(|n| n.strip_suffix(".ext4"))
+                        .is_some_and(|k| self.building.busy(k))
+            };
+            if let Err(e) = self.cache.evict(self.cache_max_bytes, &busy) {
+                log::warn!("op=image-cache-evict error={e}");
             }
         }
 
@@ -213,15 +296,16 @@ impl ImageStore {
         key: &str,
         disk_size_mb: u32,
         base_disk: &Path,
+        timings: &mut PhaseTimings,
     ) -> Result<(), ImageError> {
         let tmp_root = self.cache_dir.join("tmp");
         fs::create_dir_all(&tmp_root)
             .map_err(|e| ImageError::Io(format!("cannot create {}: {e}", tmp_root.display())))?;
-        let unique = format!(
-            "{key}.{}.{}",
-            std::process::id(),
-            TEMP_SEQ.fetch_add(1, Ordering::Relaxed)
-        );
+        let started = Instant::now();
+        source.prefetch(&image.manifest.layers)?;
+        timings.download_ms = elapsed_ms(started);
+        let started = Instant::now();
+        let unique = cache::temp_name(key);
         let staging = TempPath::dir(tmp_root.join(format!("{unique}.staging")))?;
         let mut unpacker = unpack::Unpacker::new(staging.path());
         for (layer, diff_id) in image
@@ -256,6 +340,8 @@ impl ImageStore {
             }
         }
         unpacker.finish()?;
+        timings.unpack_ms = elapsed_ms(started);
+        let started = Instant::now();
 
         let usage = rootfs::measure(staging.path())?;
         if !rootfs::fits(usage, u64::from(disk_size_mb)) {
@@ -275,8 +361,13 @@ impl ImageStore {
             ))
         })?;
         image_tmp.disarm();
+        timings.mkfs_ms = elapsed_ms(started);
         Ok(())
     }
+}
+
+fn elapsed_ms(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A tampered blob usually also breaks the tar or gzip stream; report the digest.
@@ -291,21 +382,23 @@ fn prefer_digest_error(
     }
 }
 
-fn source_for(reference: &Reference) -> Result<Box<dyn BlobSource>, ImageError> {
-    match reference {
-        Reference::Layout { path, tag } => {
-            Ok(Box::new(LayoutSource::new(path.clone(), tag.clone())))
+impl ImageStore {
+    fn source_for(&self, reference: &Reference) -> Result<Box<dyn BlobSource>, ImageError> {
+        match reference {
+            Reference::Layout { path, tag } => {
+                Ok(Box::new(LayoutSource::new(path.clone(), tag.clone())))
+            }
+            Reference::Registry(r) => Ok(Box::new(RegistrySource::new(
+                self.client.clone(),
+                self.cache.clone(),
+                r.clone(),
+            ))),
         }
-        Reference::Registry(r) => Err(ImageError::Unsupported(format!(
-            "registry pulls are not implemented yet (cannot pull {r}); copy the image into a \
-             local OCI layout with `skopeo copy docker://{r} oci:/path/to/layout:tag` and use \
-             oci:/path/to/layout:tag"
-        ))),
     }
 }
 
 /// A temporary file or directory removed on drop unless disarmed.
-struct TempPath {
+pub(crate) struct TempPath {
     path: PathBuf,
     armed: bool,
 }
@@ -318,15 +411,15 @@ impl TempPath {
         Ok(guard)
     }
 
-    fn file(path: PathBuf) -> TempPath {
+    pub(crate) fn file(path: PathBuf) -> TempPath {
         TempPath { path, armed: true }
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    fn disarm(mut self) {
+    pub(crate) fn disarm(mut self) {
         self.armed = false;
     }
 }
@@ -744,17 +837,17 @@ mod tests {
     }
 
     #[test]
-    fn registry_references_are_normalised_then_refused() {
+    fn unreachable_registries_are_upstream_errors_naming_the_reference() {
         let t = TempDir::new("registry");
         let store = ImageStore::new(t.path().join("cache"));
-        let err = store.prepare_rootfs("ubuntu:24.04", 1024).unwrap_err();
+        // Nothing listens on port 1.
+        let err = store
+            .prepare_rootfs("127.0.0.1:1/team/app", 1024)
+            .unwrap_err();
         let msg = err.to_string();
-        assert!(matches!(err, ImageError::Unsupported(_)), "{msg}");
-        assert!(
-            msg.contains("registry pulls are not implemented yet"),
-            "{msg}"
-        );
-        assert!(msg.contains("docker.io/library/ubuntu:24.04"), "{msg}");
+        assert!(matches!(err, ImageError::Upstream(_)), "{msg}");
+        assert!(err.is_upstream() && !err.is_client_error());
+        assert!(msg.contains("127.0.0.1:1/team/app:latest"), "{msg}");
         let err = store.prepare_rootfs("oci:relative", 1024).unwrap_err();
         assert!(matches!(err, ImageError::InvalidReference(_)));
         let err = store

@@ -18,6 +18,8 @@ pub enum OrchError {
     Unavailable(String),
     /// Anything else (500).
     Internal(String),
+    /// A capability not built yet (501).
+    NotImplemented(String),
 }
 
 impl OrchError {
@@ -29,7 +31,8 @@ impl OrchError {
             | OrchError::TooMany(m)
             | OrchError::Upstream(m)
             | OrchError::Unavailable(m)
-            | OrchError::Internal(m) => m,
+            | OrchError::Internal(m)
+            | OrchError::NotImplemented(m) => m,
         }
     }
 
@@ -48,7 +51,9 @@ impl std::error::Error for OrchError {}
 
 impl From<crate::image::ImageError> for OrchError {
     fn from(e: crate::image::ImageError) -> OrchError {
-        if e.is_client_error() {
+        if e.is_upstream() {
+            OrchError::Upstream(e.to_string())
+        } else if e.is_client_error() {
             OrchError::BadRequest(e.to_string())
         } else {
             OrchError::Internal(e.to_string())

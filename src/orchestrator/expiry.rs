@@ -2,6 +2,7 @@
 //! false` deletes; until pause exists, `autoPause: true` also deletes (docs/api.md says so).
 
 use super::{delete, SandboxState, Shared};
+use crate::hooks::StopReason;
 use std::sync::Weak;
 use std::time::{Duration, SystemTime};
 
@@ -20,7 +21,7 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
                 // Each expiry runs on its own thread so a slow teardown never delays
                 // another sandbox's expiry.
                 std::thread::spawn(move || {
-                    if delete(&shared, &id).is_ok() {
+                    if delete(&shared, &id, StopReason::TimeoutKill).is_ok() {
                         log::info!("sandboxId={id} op=expire result=deleted");
                     }
                 });

@@ -8,18 +8,21 @@
 
 mod error;
 mod expiry;
+mod lifecycle;
 mod metrics;
 mod sandbox;
 mod supervisor;
 
 pub use error::OrchError;
-pub use sandbox::{SandboxInfo, SandboxState};
+pub use sandbox::{Call, SandboxInfo, SandboxState};
 
-use crate::agent::{ExecRequest, ExecResult, FileDownload};
+use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;
+use crate::hooks::{HookClient, StopReason};
 use crate::image::ImageStore;
 use crate::net::SlotManager;
 use crate::vm::Accel;
+use lifecycle::{admit, Admitted};
 use metrics::OperationCounters;
 use parking_lot::RwLock;
 use sandbox::{Op, SandboxEntry};
@@ -45,6 +48,13 @@ pub struct ColdStart {
     pub allow_internet_access: Option<bool>,
 }
 
+/// The answer to connect/resume: the sandbox, and whether it was resumed (201) or only
+/// had its expiry changed.
+pub struct Connected {
+    pub info: SandboxInfo,
+    pub resumed: bool,
+}
+
 /// A command request from the API; the env is merged here.
 #[derive(Debug, Clone)]
 pub struct CommandRequest {
@@ -67,6 +77,7 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 pub(crate) struct Shared {
     pub config: Config,
     pub slots: Arc<SlotManager>,
+    pub hooks: Arc<HookClient>,
     pub images: ImageStore,
     pub accel: Accel,
     pub sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
@@ -77,6 +88,15 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn sandboxes_dir(&self) -> PathBuf {
         self.config.server.state_dir.join("sandboxes")
+    }
+
+    /// A registered sandbox, visible or not.
+    pub fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
+        self.sandboxes
+            .read()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| OrchError::sandbox_not_found(id))
     }
 
     /// Removes a sandbox from the registry; later calls see 404.
@@ -92,11 +112,20 @@ pub struct Orchestrator {
 impl Orchestrator {
     /// Builds the orchestrator and starts its expiry thread. The slot manager has done
     /// its startup reclaim already.
-    pub fn start(config: Config, slots: Arc<SlotManager>, accel: Accel) -> Orchestrator {
-        let images = ImageStore::new(config.server.state_dir.join("images"));
+    pub fn start(
+        config: Config,
+        slots: Arc<SlotManager>,
+        hooks: Arc<HookClient>,
+        accel: Accel,
+    ) -> Orchestrator {
+        let images = ImageStore::with_options(
+            config.server.state_dir.join("images"),
+            crate::image::ImageOptions::from(&config.images),
+        );
         let shared = Arc::new(Shared {
             config,
             slots,
+            hooks,
             images,
             accel,
             sandboxes: RwLock::new(HashMap::new()),
@@ -156,23 +185,13 @@ impl Orchestrator {
     }
 
     fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
-        let entry = self
-            .shared
-            .sandboxes
-            .read()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| OrchError::sandbox_not_found(id))?;
-        if entry.info.lock().state.api_state().is_none() {
-            return Err(OrchError::sandbox_not_found(id));
-        }
-        Ok(entry)
+        self.shared.entry(id)
     }
 
     /// `DELETE /sandboxes/{id}`: invisible at once, then the supervisor tears down.
     pub fn delete(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = delete(&self.shared, id);
+        let result = delete(&self.shared, id, StopReason::Delete);
         self.shared.operations.record("delete", result.is_ok());
         result
     }
@@ -181,36 +200,114 @@ impl Orchestrator {
     pub fn set_timeout(&self, id: &str, secs: u64, shorten: bool) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
         let entry = self.entry(id)?;
-        let mut info = entry.info.lock();
-        let new_end = SystemTime::now() + Duration::from_secs(secs);
-        if shorten || new_end > info.end_at {
-            info.end_at = new_end;
-        }
+        admit(&entry, id, Call::Timeout)?;
+        extend_expiry(&entry, secs, shorten);
         Ok(())
     }
 
-    /// `POST …/connect` and `…/resume` on a running sandbox: no hooks, TTL only.
-    /// `extend_only` keeps the later expiry (connect); otherwise the timeout is reset.
-    pub fn connect_running(
-        &self,
-        id: &str,
-        secs: u64,
-        extend_only: bool,
-    ) -> Result<SandboxInfo, OrchError> {
-        self.set_timeout(id, secs, !extend_only)?;
-        self.get(id)
+    /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
+    /// expiry changed, with no hooks: connect never shortens it, resume resets it.
+    pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let entry = self.entry(id)?;
+        let call = if is_connect {
+            Call::Connect
+        } else {
+            Call::Resume
+        };
+        let result = match admit(&entry, id, call)? {
+            Admitted::AlreadyDone(_) => {
+                extend_expiry(&entry, secs, !is_connect);
+                let info = entry.info.lock().clone();
+                Ok(Connected {
+                    info,
+                    resumed: false,
+                })
+            }
+            Admitted::Proceed(_guard) => Err(OrchError::Internal(
+                "resuming a paused sandbox is not implemented yet".into(),
+            )),
+        };
+        result
     }
 
-    /// Stored extension params, `{}` when empty.
+    /// Admits a call that is not implemented yet, so that the state rules (404, 409)
+    /// still answer first.
+    pub fn not_implemented(&self, id: &str, call: Call, what: &str) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        let entry = self.entry(id)?;
+        let result = match admit(&entry, id, call)? {
+            Admitted::AlreadyDone(_) => Ok(()),
+            Admitted::Proceed(_guard) => Err(OrchError::NotImplemented(format!(
+                "{what} is not implemented yet"
+            ))),
+        };
+        result
+    }
+
+    /// Whether a custom extension is configured.
+    pub fn extension_enabled(&self) -> bool {
+        self.shared.hooks.enabled()
+    }
+
+    /// `PATCH …/custom-extension-params` (CE §10.11, after the body checks): 404, 409 when
+    /// not running, 400 when the extension is disabled, 502 when the hook failed; else the
+    /// new full params, stored before the answer.
+    pub fn patch_params(
+        &self,
+        id: &str,
+        patch: serde_json::Value,
+    ) -> Result<serde_json::Value, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let entry = self.entry(id)?;
+        admit(&entry, id, Call::PatchParams)?;
+        if !self.shared.hooks.enabled() {
+            return Err(supervisor::hook_error(crate::hooks::HookError::Disabled));
+        }
+        if !entry.begin_patch() {
+            return Err(OrchError::Conflict(format!(
+                "sandbox {id} is {}",
+                entry.state().name()
+            )));
+        }
+        let result = self.shared.hooks.patch_params(id, &patch);
+        let result = result.inspect(|params| {
+            entry.info.lock().custom_extension_params = params.clone();
+        });
+        entry.end_patch();
+        self.shared
+            .operations
+            .record("patch_params", result.is_ok());
+        result.map_err(supervisor::hook_error)
+    }
+
+    /// Stored extension params, `{}` when empty; in every state.
     pub fn custom_extension_params(&self, id: &str) -> Result<serde_json::Value, OrchError> {
         Ok(self.get(id)?.custom_extension_params)
+    }
+
+    /// The guest agent of a running sandbox, for a call that `call` admits.
+    fn agent_for(
+        &self,
+        entry: &SandboxEntry,
+        id: &str,
+        call: Call,
+    ) -> Result<Arc<AgentClient>, OrchError> {
+        admit(entry, id, call)?;
+        entry
+            .runtime
+            .lock()
+            .as_ref()
+            .map(|rt| rt.agent.clone())
+            .ok_or_else(|| OrchError::Conflict(format!("sandbox {id} is not running")))
     }
 
     /// `POST …/commands`.
     pub fn run_command(&self, id: &str, req: CommandRequest) -> Result<ExecResult, OrchError> {
         let entry = self.entry(id)?;
+        let agent = self.agent_for(&entry, id, Call::Commands)?;
         let limit = self.shared.config.agent.max_concurrent_commands;
-        let _slot = CommandPermit::take(&entry, limit)?;
+        let _permit = CommandPermit::take(&entry, limit)?;
         let env = {
             let info = entry.info.lock();
             merged_env(&info.image_env, &info.env_vars, &req.env)
@@ -223,13 +320,14 @@ impl Orchestrator {
             timeout_ms: req.timeout_ms,
             max_output_bytes: self.shared.config.agent.max_output_bytes,
         };
-        Ok(entry.agent.exec(&exec)?)
+        Ok(agent.exec(&exec)?)
     }
 
     /// `GET …/files`.
     pub fn read_file(&self, id: &str, path: &str) -> Result<FileDownload, OrchError> {
         let entry = self.entry(id)?;
-        Ok(entry.agent.read_file(path)?)
+        let agent = self.agent_for(&entry, id, Call::Commands)?;
+        Ok(agent.read_file(path)?)
     }
 
     /// `PUT …/files`.
@@ -241,20 +339,28 @@ impl Orchestrator {
         body: &mut dyn std::io::Read,
     ) -> Result<(), OrchError> {
         let entry = self.entry(id)?;
-        Ok(entry.agent.write_file(path, len, body)?)
+        let agent = self.agent_for(&entry, id, Call::Commands)?;
+        Ok(agent.write_file(path, len, body)?)
     }
 
     /// Prometheus text for `GET /metrics`.
     pub fn render_metrics(&self) -> String {
         let mut out = String::new();
-        let running = self.list().len();
+        let listed = self.list();
+        let count = |s: &str| {
+            listed
+                .iter()
+                .filter(|i| i.state.api_state() == Some(s))
+                .count()
+        };
         metrics::render_state_gauge(
             &mut out,
             "agentenv_sandboxes",
             "Sandboxes by API state.",
-            &[("running", running), ("paused", 0)],
+            &[("running", count("running")), ("paused", count("paused"))],
         );
         self.shared.operations.render(&mut out);
+        self.shared.hooks.render_metrics(&mut out);
         let slots = self.shared.slots.stats();
         metrics::render_state_gauge(
             &mut out,
@@ -276,39 +382,50 @@ impl Orchestrator {
             .map(|id| {
                 let shared = self.shared.clone();
                 std::thread::spawn(move || {
-                    let _ = delete(&shared, &id);
+                    let _ = delete(&shared, &id, StopReason::Shutdown);
                 })
             })
             .collect();
         for h in handles {
             let _ = h.join();
         }
+        self.shared.hooks.shutdown();
         self.shared.slots.shutdown();
     }
 }
 
-/// Deletes one sandbox: unregister first (so it disappears), then let its supervisor
-/// tear everything down and wait for it.
-pub(crate) fn delete(shared: &Shared, id: &str) -> Result<(), OrchError> {
-    let entry = {
-        let mut map = shared.sandboxes.write();
-        match map.get(id) {
-            Some(e) if e.info.lock().state.can_become(SandboxState::Deleting) => {
-                map.remove(id).expect("present")
-            }
-            _ => return Err(OrchError::sandbox_not_found(id)),
-        }
+/// Deletes one sandbox once no other lifecycle operation runs on it: unregister (so it
+/// disappears), then let its supervisor tear everything down and wait for it.
+pub(crate) fn delete(shared: &Shared, id: &str, reason: StopReason) -> Result<(), OrchError> {
+    let entry = shared.entry(id)?;
+    let Admitted::Proceed(_guard) = admit(&entry, id, Call::Delete)? else {
+        return Err(OrchError::sandbox_not_found(id));
     };
-    entry.info.lock().state = SandboxState::Deleting;
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    if entry.ops.send(Op::Delete { reply: tx }).is_ok() {
-        // The supervisor answers once the VM is gone and the slot released; if it has
-        // already exited on its own (VM died), the channel is closed and there is nothing
-        // left to do.
-        let _ = rx.recv();
+    shared.unregister(id);
+    entry.set_state(SandboxState::Deleting);
+    // No patch-params may follow the instance's stop (CE §6.4).
+    entry.wait_patches();
+    let runtime = entry.runtime.lock().take();
+    if let Some(runtime) = runtime {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if runtime.ops.send(Op::Delete { reason, reply: tx }).is_ok() {
+            // The supervisor answers once the VM is gone and the slot released; if it has
+            // already exited on its own (VM died), the channel is closed and there is
+            // nothing left to do.
+            let _ = rx.recv();
+        }
     }
     log::info!("sandboxId={id} op=delete result=ok");
     Ok(())
+}
+
+/// Sets `endAt` to now + `secs`; without `shorten` only a later expiry is taken.
+fn extend_expiry(entry: &SandboxEntry, secs: u64, shorten: bool) {
+    let mut info = entry.info.lock();
+    let new_end = SystemTime::now() + Duration::from_secs(secs);
+    if shorten || new_end > info.end_at {
+        info.end_at = new_end;
+    }
 }
 
 /// Image env, then sandbox env, then request env; later wins. PATH defaults.

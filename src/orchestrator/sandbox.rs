@@ -2,7 +2,7 @@
 
 use crate::agent::AgentClient;
 use crossbeam_channel::Sender;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -10,12 +10,17 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-/// Internal lifecycle states (api.md §2.1). Pausing, resuming, snapshotting and forking
-/// arrive with the pause/snapshot work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Internal lifecycle states (api.md §2.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum SandboxState {
     Creating,
     Running,
+    Pausing,
+    Paused,
+    Resuming,
+    Snapshotting,
+    Forking,
     Deleting,
 }
 
@@ -25,16 +30,107 @@ impl SandboxState {
         use SandboxState::*;
         matches!(
             (self, next),
-            (Creating, Running) | (Creating, Deleting) | (Running, Deleting)
+            (Creating, Running)
+                | (Creating, Deleting)
+                | (Running, Pausing)
+                | (Running, Snapshotting)
+                | (Running, Forking)
+                | (Running, Deleting)
+                | (Pausing, Paused)
+                | (Pausing, Running)
+                | (Pausing, Deleting)
+                | (Paused, Resuming)
+                | (Paused, Deleting)
+                | (Resuming, Running)
+                | (Resuming, Paused)
+                | (Snapshotting, Running)
+                | (Snapshotting, Deleting)
+                | (Forking, Running)
+                | (Forking, Deleting)
         )
     }
 
     /// The API `state`, or `None` while invisible.
     pub fn api_state(self) -> Option<&'static str> {
+        use SandboxState::*;
         match self {
-            SandboxState::Running => Some("running"),
-            SandboxState::Creating | SandboxState::Deleting => None,
+            Running | Pausing | Snapshotting | Forking => Some("running"),
+            Paused | Resuming => Some("paused"),
+            Creating | Deleting => None,
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        use SandboxState::*;
+        match self {
+            Creating => "creating",
+            Running => "running",
+            Pausing => "pausing",
+            Paused => "paused",
+            Resuming => "resuming",
+            Snapshotting => "snapshotting",
+            Forking => "forking",
+            Deleting => "deleting",
+        }
+    }
+}
+
+/// Calls whose handling depends on the sandbox's state (api.md §2.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    Pause,
+    Resume,
+    Connect,
+    Delete,
+    Snapshot,
+    Fork,
+    PatchParams,
+    Timeout,
+    Commands,
+}
+
+/// What to do with a call in a state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Carry out the operation.
+    Proceed,
+    /// Nothing to do; answer success (e.g. pause of a paused sandbox).
+    AlreadyDone,
+    /// Wait (bounded) for the current transition to end, then decide again.
+    Wait,
+    /// 409.
+    Conflict,
+    /// 404.
+    NotFound,
+}
+
+/// api.md §2.3, as one exhaustive table.
+pub fn decide(call: Call, state: SandboxState) -> Decision {
+    use Call::*;
+    use Decision::*;
+    use SandboxState as S;
+    match (call, state) {
+        (_, S::Creating | S::Deleting) => NotFound,
+        (Pause, S::Running) => Proceed,
+        (Pause, S::Paused) => AlreadyDone,
+        (Pause, S::Pausing) => Wait,
+        (Pause, S::Resuming | S::Snapshotting | S::Forking) => Conflict,
+        (Resume, S::Running) => AlreadyDone,
+        (Resume, S::Paused) => Proceed,
+        (Resume, S::Resuming) => Wait,
+        (Resume, S::Pausing | S::Snapshotting | S::Forking) => Conflict,
+        (Connect, S::Running | S::Snapshotting | S::Forking) => AlreadyDone,
+        (Connect, S::Paused) => Proceed,
+        (Connect, S::Pausing | S::Resuming) => Wait,
+        (Delete, S::Running | S::Paused) => Proceed,
+        (Delete, S::Pausing | S::Resuming | S::Snapshotting | S::Forking) => Wait,
+        (Snapshot | Fork | PatchParams, S::Running) => Proceed,
+        (Snapshot | Fork | PatchParams, _) => Conflict,
+        (Timeout, S::Running | S::Snapshotting | S::Forking) => Proceed,
+        (Timeout, _) => Conflict,
+        (Commands, S::Running) => Proceed,
+        (Commands, S::Snapshotting | S::Forking) => Wait,
+        (Commands, _) => Conflict,
     }
 }
 
@@ -66,14 +162,85 @@ pub struct SandboxInfo {
 
 /// A lifecycle operation, sent to the sandbox's supervisor thread.
 pub enum Op {
-    Delete { reply: Sender<()> },
+    Delete {
+        reason: crate::hooks::StopReason,
+        reply: Sender<()>,
+    },
 }
 
-/// One registered sandbox: its description, the channel to its supervisor, and the guest
-/// agent client that commands and file transfers use directly.
-pub struct SandboxEntry {
-    pub info: Mutex<SandboxInfo>,
+/// The live part of a running sandbox: the channel to its supervisor and the guest agent
+/// client that commands and file transfers use directly.
+#[derive(Clone)]
+pub struct RuntimeHandle {
     pub ops: Sender<Op>,
     pub agent: Arc<AgentClient>,
+}
+
+/// One registered sandbox.
+pub struct SandboxEntry {
+    pub info: Mutex<SandboxInfo>,
+    /// Held for the whole of a lifecycle operation (api.md §2.2): operations on one
+    /// sandbox are serialised, other sandboxes and reads never wait for it.
+    pub lifecycle: Mutex<()>,
+    /// Present while a VM runs.
+    pub runtime: Mutex<Option<RuntimeHandle>>,
     pub running_commands: AtomicU32,
+    /// patch-params calls in flight; pause, delete and snapshot wait for them (CE §6.4).
+    patches: Mutex<u32>,
+    patches_done: Condvar,
+}
+
+impl SandboxEntry {
+    pub fn new(info: SandboxInfo, runtime: Option<RuntimeHandle>) -> SandboxEntry {
+        SandboxEntry {
+            info: Mutex::new(info),
+            lifecycle: Mutex::new(()),
+            runtime: Mutex::new(runtime),
+            running_commands: AtomicU32::new(0),
+            patches: Mutex::new(0),
+            patches_done: Condvar::new(),
+        }
+    }
+
+    /// Counts a PATCH in flight if the sandbox is running; `false` otherwise (409).
+    pub fn begin_patch(&self) -> bool {
+        let info = self.info.lock();
+        if info.state != SandboxState::Running {
+            return false;
+        }
+        *self.patches.lock() += 1;
+        true
+    }
+
+    pub fn end_patch(&self) {
+        let mut n = self.patches.lock();
+        *n -= 1;
+        if *n == 0 {
+            self.patches_done.notify_all();
+        }
+    }
+
+    /// Waits until no PATCH is in flight. Called after the state left `running`, so no
+    /// new one can begin; each is bounded by the hook timeout.
+    pub fn wait_patches(&self) {
+        let mut n = self.patches.lock();
+        while *n > 0 {
+            self.patches_done.wait(&mut n);
+        }
+    }
+
+    pub fn state(&self) -> SandboxState {
+        self.info.lock().state
+    }
+
+    /// Moves to `next`; the caller holds the lifecycle lock and checked the move.
+    pub fn set_state(&self, next: SandboxState) {
+        let mut info = self.info.lock();
+        debug_assert!(
+            info.state == next || info.state.can_become(next),
+            "{:?} -> {next:?}",
+            info.state
+        );
+        info.state = next;
+    }
 }

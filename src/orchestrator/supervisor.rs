@@ -2,15 +2,14 @@
 //! PR_SET_PDEATHSIG ties the VM to this thread), owns it and the network slot, handles
 //! lifecycle [`Op`]s in order, and tears everything down on delete or when the VM dies.
 
-use super::sandbox::{Op, SandboxEntry, SandboxInfo, SandboxState};
+use super::sandbox::{Op, RuntimeHandle, SandboxEntry, SandboxInfo, SandboxState};
 use super::{ColdStart, OrchError, Shared};
 use crate::agent::AgentClient;
+use crate::hooks::{HookError, Instance, StartContext, StopReason};
 use crate::net::Slot;
 use crate::vm::{self, Vm, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -49,21 +48,28 @@ struct BootPlan {
     id: String,
     run_dir: RunDir,
     slot: Slot,
+    instance: Instance,
+    kernel_args: Vec<String>,
     cpu_count: u32,
     memory_mb: u32,
 }
 
-/// The running resources a supervisor owns. Dropping them in this order (VM first, then
-/// the slot, then the directory) is the teardown.
+/// The running resources a supervisor owns, and the instance the extension knows.
 struct Runtime {
     vm: Vm,
     slot: Option<Slot>,
+    instance: Option<Instance>,
     _run_dir: RunDir,
 }
 
 impl Runtime {
-    fn teardown(mut self, shared: &Shared) {
+    /// CE §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
+    /// while the namespace still exists, then the slot is released and the files removed.
+    fn teardown(mut self, shared: &Shared, reason: StopReason) {
         self.vm.kill();
+        if let Some(instance) = self.instance.take() {
+            shared.hooks.stop(instance, reason);
+        }
         if let Some(slot) = self.slot.take() {
             shared.slots.release(slot);
         }
@@ -90,10 +96,35 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
     }
     let host_ip = slot.host_ip();
     let netns_path = slot.netns_path().to_path_buf();
+
+    // CE §5.2 step 4: journal + start-fresh once the slot is ready, before the VM starts.
+    let mut kernel_args = guest_kernel_args(shared);
+    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
+        .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let context = StartContext {
+        sandbox_id: id.clone(),
+        netns_path: netns_path.clone(),
+        host_ip,
+        slot_index: slot.index(),
+        params: req.custom_extension_params.clone(),
+    };
+    let (instance, started_hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
+    match started_hook {
+        Ok(Some(extra)) => kernel_args.push(extra),
+        Ok(None) => {}
+        Err(e) => {
+            // Rollback before the answer (CE §7.3): stop for the attempt, then the slot.
+            shared.hooks.stop(instance, StopReason::StartFailed);
+            shared.slots.release(slot);
+            return Err(hook_error(e));
+        }
+    }
     let plan = BootPlan {
         id: id.clone(),
         run_dir,
         slot,
+        instance,
+        kernel_args,
         cpu_count: req.cpu_count,
         memory_mb: req.memory_mb,
     };
@@ -131,12 +162,10 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
         host_ip,
         netns_path,
     };
-    let entry = Arc::new(SandboxEntry {
-        info: Mutex::new(info.clone()),
-        ops: ops_tx,
-        agent,
-        running_commands: AtomicU32::new(0),
-    });
+    let entry = Arc::new(SandboxEntry::new(
+        info.clone(),
+        Some(RuntimeHandle { ops: ops_tx, agent }),
+    ));
     shared.sandboxes.write().insert(id.clone(), entry);
     log::info!(
         "sandboxId={id} op=create_cold result=ok image={} hostIp={host_ip} imageMs={image_ms} totalMs={}",
@@ -144,6 +173,15 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
         started.elapsed().as_millis()
     );
     Ok(info)
+}
+
+/// A failed start or patch hook: 502 with the CE §7.5 message; a disabled extension: 400.
+pub(crate) fn hook_error(e: HookError) -> OrchError {
+    match e {
+        HookError::Disabled => OrchError::BadRequest(e.to_string()),
+        HookError::Failed { .. } => OrchError::Upstream(e.to_string()),
+        HookError::Journal(_) => OrchError::Internal(e.to_string()),
+    }
 }
 
 fn supervise(
@@ -156,7 +194,7 @@ fn supervise(
     let runtime = match boot(&shared, plan) {
         Ok((runtime, agent)) => {
             if boot_reply.send(Ok(agent)).is_err() {
-                runtime.teardown(&shared);
+                runtime.teardown(&shared, StopReason::StartFailed);
                 return;
             }
             runtime
@@ -169,46 +207,63 @@ fn supervise(
     run(&shared, &id, runtime, ops);
 }
 
-/// Boots the VM in the slot and waits for the guest agent. Every failure path drops what
-/// was made so far (VM killed and reaped, slot destroyed, run dir removed).
+/// Boots the VM in the slot and waits for the guest agent. Every failure path tears down
+/// what was made so far: VM killed and reaped, stop hook for the instance, slot released,
+/// run dir removed.
 fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
-    let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
-    let netns = plan.slot.open_netns().map_err(|e| internal(&e))?;
+    let BootPlan {
+        id,
+        run_dir,
+        slot,
+        instance,
+        kernel_args,
+        cpu_count,
+        memory_mb,
+    } = plan;
+    let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
+        shared.hooks.stop(instance, StopReason::StartFailed);
+        shared.slots.release(slot);
+        OrchError::Internal(e.to_string())
+    };
+    let netns = match slot.open_netns() {
+        Ok(f) => f,
+        Err(e) => return Err(fail(slot, instance, &e)),
+    };
     let assets = &shared.config.vm.assets_dir;
     let spec = VmSpec {
-        run_dir: plan.run_dir.path().to_path_buf(),
+        run_dir: run_dir.path().to_path_buf(),
         kernel: vm::guest_kernel(assets),
-        initramfs: assets.join("initramfs.cpio"),
-        kernel_args: guest_kernel_args(shared),
-        cpu_count: plan.cpu_count,
-        memory_mb: plan.memory_mb,
-        disk: plan.run_dir.path().join("disk.qcow2"),
+        initramfs: assets.join("initramfs.img"),
+        kernel_args,
+        cpu_count,
+        memory_mb,
+        disk: run_dir.path().join("disk.qcow2"),
         netns: Some(netns),
         tap: Some(crate::net::TAP_NAME.into()),
         accel: shared.accel,
         qemu_binary: shared.config.vm.qemu_binary.clone(),
     };
-    let vm = Vm::spawn(spec).map_err(|e| internal(&e))?;
-    let runtime = Runtime {
+    let vm = match Vm::spawn(spec) {
+        Ok(vm) => vm,
+        Err(e) => return Err(fail(slot, instance, &e)),
+    };
+    let mut runtime = Runtime {
         vm,
-        slot: Some(plan.slot),
-        _run_dir: plan.run_dir,
+        slot: Some(slot),
+        instance: Some(instance),
+        _run_dir: run_dir,
     };
     let timeout = Duration::from_secs(shared.config.vm.ready_timeout_secs);
     match AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout) {
         Ok(agent) => Ok((runtime, Arc::new(agent))),
         Err(e) => {
-            let mut runtime = runtime;
             let tail = runtime.vm.console_tail(20);
             let cause = match runtime.vm.try_wait() {
                 Some(status) => format!("the VM exited during boot ({status})"),
                 None => format!("no answer within {}s: {e}", timeout.as_secs()),
             };
-            log::error!(
-                "sandboxId={} op=boot result=error error=\"{e}\" console_tail=\n{tail}",
-                plan.id
-            );
-            runtime.teardown(shared);
+            log::error!("sandboxId={id} op=boot result=error error=\"{e}\" console_tail=\n{tail}");
+            runtime.teardown(shared, StopReason::StartFailed);
             Err(OrchError::Internal(format!(
                 "guest agent did not become ready: {cause}; the console log's last lines are in the server log"
             )))
@@ -231,8 +286,8 @@ fn guest_kernel_args(shared: &Shared) -> Vec<String> {
 fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
     loop {
         match ops.recv_timeout(VM_WATCH_INTERVAL) {
-            Ok(Op::Delete { reply }) => {
-                runtime.teardown(shared);
+            Ok(Op::Delete { reason, reply }) => {
+                runtime.teardown(shared, reason);
                 let _ = reply.send(());
                 return;
             }
@@ -242,13 +297,16 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                         "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
                         runtime.vm.console_tail(20)
                     );
+                    if let Ok(entry) = shared.entry(id) {
+                        entry.runtime.lock().take();
+                    }
                     shared.unregister(id);
-                    runtime.teardown(shared);
+                    runtime.teardown(shared, StopReason::Failure);
                     return;
                 }
             }
             Err(RecvTimeoutError::Disconnected) => {
-                runtime.teardown(shared);
+                runtime.teardown(shared, StopReason::Failure);
                 return;
             }
         }

@@ -5,7 +5,9 @@
 //! - [`accel`]: KVM or TCG, detected once per host.
 //! - [`qemu`]: the argv and the process ([`Vm`]).
 //! - [`qmp`]: the QMP client (stop, cont, status, migrate to a file, quit).
-//! - [`disk`]: qcow2 overlays over a raw base image.
+//! - [`disk`]: qcow2 overlays over a raw base image, disk chains, clone disks.
+//! - [`capture`]: capture (pause, snapshot) and restore (resume, clone), with the record
+//!   the orchestrator stores.
 //! - [`console`]: the tail of a guest's console log, for error reports.
 
 use std::fmt;
@@ -14,6 +16,7 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 
 pub mod accel;
+pub mod capture;
 pub mod console;
 pub mod disk;
 pub mod qemu;
@@ -21,11 +24,16 @@ pub mod qmp;
 
 #[cfg(test)]
 mod boot_tests;
+#[cfg(test)]
+mod capture_tests;
 
 pub use accel::{detect_accel, Accel};
+pub use capture::{
+    sync_guest_clock, CaptureRecord, CaptureStats, DiskCapture, RestoreSpec, RestoreStats,
+};
 pub use console::tail_lines;
-pub use disk::create_overlay;
-pub use qemu::{guest_kernel, Vm, VmSpec, GUEST_MAC};
+pub use disk::{create_clone_disk, create_overlay};
+pub use qemu::{guest_kernel, kernel_cmdline, MemoryFile, Vm, VmSpec, GUEST_MAC};
 pub use qmp::Qmp;
 
 /// Everything that can go wrong starting or driving a VM.

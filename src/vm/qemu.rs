@@ -93,7 +93,7 @@ pub fn guest_kernel(assets_dir: &Path) -> PathBuf {
 }
 
 /// The guest kernel command line: base arguments, the TCG clock hint, then the spec's.
-fn kernel_cmdline(accel: Accel, extra: &[String]) -> Result<String, VmError> {
+pub fn kernel_cmdline(accel: Accel, extra: &[String]) -> Result<String, VmError> {
     let mut args: Vec<String> = BASE_KERNEL_ARGS.iter().map(|s| s.to_string()).collect();
     if let Accel::Tcg { tsc_khz } = accel {
         args.push(format!("tsc_early_khz={tsc_khz}"));
@@ -124,18 +124,67 @@ fn opt_path(path: &Path) -> Result<String, VmError> {
         .ok_or_else(|| VmError::InvalidSpec(format!("path {} is not UTF-8", path.display())))
 }
 
-/// The full QEMU argv (without the binary). `incoming`: restore from this state file.
+/// Where a new QEMU process takes its initial state from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Incoming<'a> {
+    /// A cold boot.
+    None,
+    /// `-incoming file:PATH`: restore the saved state at start.
+    File(&'a Path),
+    /// `-incoming defer`: wait for QMP `migrate-incoming` (a pre-spawned standby).
+    Defer,
+}
+
+/// What a launch needs beyond a [`VmSpec`]: the exact kernel command line, the RAM backing
+/// and the incoming state.
+#[derive(Debug, Clone)]
+pub(crate) struct Launch<'a> {
+    /// The `-append` string; `None`: built from the spec (a cold boot). A restore passes
+    /// the one the captured VM booted with, byte for byte.
+    pub cmdline: Option<&'a str>,
+    /// Guest RAM in a host file instead of anonymous memory.
+    pub memory: Option<&'a MemoryFile>,
+    pub incoming: Incoming<'a>,
+}
+
+impl Launch<'_> {
+    pub(crate) fn cold() -> Launch<'static> {
+        Launch {
+            cmdline: None,
+            memory: None,
+            incoming: Incoming::None,
+        }
+    }
+}
+
+/// Guest RAM backed by a host file (`memory-backend-file`).
+///
+/// `shared: true` maps it `MAP_SHARED`: the file *is* the guest's RAM, so a capture with
+/// `x-ignore-shared` writes no RAM at all into the state file (the file holds it). Use it
+/// for a VM that quits right after its capture (a template build). `shared: false` maps it
+/// privately (copy-on-write): how clones map a template's RAM file, all sharing the page
+/// cache and never writing to the file.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryFile {
+    pub path: PathBuf,
+    pub shared: bool,
+}
+
+/// The full QEMU argv (without the binary).
 fn build_argv(
     spec: &VmSpec,
     paths: &RunPaths,
-    incoming: Option<&Path>,
+    launch: &Launch<'_>,
 ) -> Result<Vec<OsString>, VmError> {
     if spec.cpu_count == 0 || spec.memory_mb == 0 {
         return Err(VmError::InvalidSpec(
             "cpu_count and memory_mb must be at least 1".into(),
         ));
     }
-    let mut machine = String::from("microvm,acpi=on,auto-kernel-cmdline=off");
+    // RAM is always an explicit backend named "ram", so that every VM's RAM block has the
+    // same name whether it is anonymous or a file, and any state file restores into either.
+    let mut machine = String::from("microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram");
     let (accel, cpu) = match spec.accel {
         Accel::Kvm => ("kvm", "host"),
         Accel::Tcg { .. } => {
@@ -159,7 +208,21 @@ fn build_argv(
     argv.push("-initrd".into());
     argv.push(spec.initramfs.clone().into_os_string());
     argv.push("-append".into());
-    argv.push(kernel_cmdline(spec.accel, &spec.kernel_args)?.into());
+    argv.push(match launch.cmdline {
+        Some(cmdline) => cmdline.into(),
+        None => kernel_cmdline(spec.accel, &spec.kernel_args)?.into(),
+    });
+    argv.push("-object".into());
+    argv.push(match launch.memory {
+        Some(memory) => format!(
+            "memory-backend-file,id=ram,size={}M,mem-path={},share={}",
+            spec.memory_mb,
+            opt_path(&memory.path)?,
+            if memory.shared { "on" } else { "off" }
+        )
+        .into(),
+        None => format!("memory-backend-ram,id=ram,size={}M", spec.memory_mb).into(),
+    });
 
     let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
     let console = opt_path(&paths.console_log)?;
@@ -203,16 +266,24 @@ fn build_argv(
         "-mon",
         "chardev=qmp,mode=control",
     ]);
-    if let Some(state) = incoming {
-        let state = state.to_str().filter(|s| !s.contains(',')).ok_or_else(|| {
-            VmError::InvalidSpec(format!(
-                "state file path {} must be UTF-8 without commas",
-                state.display()
-            ))
-        })?;
-        push(&["-incoming", &format!("file:{state}")]);
+    match launch.incoming {
+        Incoming::None => {}
+        Incoming::File(state) => {
+            push(&["-incoming", &format!("file:{}", state_uri_path(state)?)]);
+        }
+        Incoming::Defer => push(&["-incoming", "defer"]),
     }
     Ok(argv)
+}
+
+/// A state file path as it goes into a `file:` migration URI: UTF-8, no commas.
+pub(crate) fn state_uri_path(state: &Path) -> Result<&str, VmError> {
+    state.to_str().filter(|s| !s.contains(',')).ok_or_else(|| {
+        VmError::InvalidSpec(format!(
+            "state file path {} must be UTF-8 without commas",
+            state.display()
+        ))
+    })
 }
 
 /// Finds `binary` as `execvp` would: as given when it holds a `/`, else in PATH.
@@ -251,6 +322,21 @@ impl Drop for ChildGuard {
     }
 }
 
+/// What a VM was started with: what a capture records so that a restore reproduces it.
+#[derive(Debug, Clone)]
+pub(crate) struct VmFacts {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// The exact `-append` string.
+    pub kernel_cmdline: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    /// The disk QEMU writes to now (the top of its qcow2 chain); a disk freeze moves it.
+    pub disk: PathBuf,
+    pub tap: Option<String>,
+    pub memory: Option<MemoryFile>,
+}
+
 /// A running QEMU process and its QMP session. Dropping it kills and reaps the process.
 pub struct Vm {
     child: Child,
@@ -259,6 +345,9 @@ pub struct Vm {
     qmp: Qmp,
     paths: RunPaths,
     accel: Accel,
+    pub(crate) facts: VmFacts,
+    /// Migration parameters have been set for fast saves.
+    pub(crate) migration_tuned: bool,
 }
 
 impl Vm {
@@ -268,12 +357,26 @@ impl Vm {
     /// Call this on the thread that supervises the VM: QEMU gets SIGKILL when that thread
     /// exits.
     pub fn spawn(spec: VmSpec) -> Result<Vm, VmError> {
-        Vm::start(spec, None)
+        Vm::start(spec, Launch::cold())
+    }
+
+    /// Like [`Vm::spawn`], with the guest's RAM in `memory` (see [`MemoryFile`]). A
+    /// template build boots this way with `shared: true`, so that its capture writes no
+    /// RAM and clones map the file copy-on-write.
+    pub fn spawn_with_memory_file(spec: VmSpec, memory: &MemoryFile) -> Result<Vm, VmError> {
+        Vm::start(
+            spec,
+            Launch {
+                memory: Some(memory),
+                ..Launch::cold()
+            },
+        )
     }
 
     /// Like [`Vm::spawn`], but restores the state saved in `state_file` (QMP
     /// `migrate` to `file:`). The VM waits in "inmigrate" then "paused": wait for
-    /// `paused`, then `cont`. `spec` must match the saved VM's devices.
+    /// `paused`, then `cont`. `spec` must match the saved VM's devices. Prefer
+    /// [`Vm::restore`], which takes everything from a [`super::CaptureRecord`].
     pub fn spawn_incoming(spec: VmSpec, state_file: &Path) -> Result<Vm, VmError> {
         if !state_file.is_file() {
             return Err(VmError::MissingAsset {
@@ -281,10 +384,16 @@ impl Vm {
                 path: state_file.to_path_buf(),
             });
         }
-        Vm::start(spec, Some(state_file))
+        Vm::start(
+            spec,
+            Launch {
+                incoming: Incoming::File(state_file),
+                ..Launch::cold()
+            },
+        )
     }
 
-    fn start(spec: VmSpec, incoming: Option<&Path>) -> Result<Vm, VmError> {
+    pub(crate) fn start(spec: VmSpec, launch: Launch<'_>) -> Result<Vm, VmError> {
         let binary = resolve_binary(&spec.qemu_binary)?;
         for (what, path) in [
             ("guest kernel", &spec.kernel),
@@ -324,7 +433,15 @@ impl Vm {
                 }
             }
         }
-        let argv = build_argv(&spec, &paths, incoming)?;
+        let cmdline = match launch.cmdline {
+            Some(c) => c.to_owned(),
+            None => kernel_cmdline(spec.accel, &spec.kernel_args)?,
+        };
+        let launch = Launch {
+            cmdline: Some(&cmdline),
+            ..launch
+        };
+        let argv = build_argv(&spec, &paths, &launch)?;
 
         let log = OpenOptions::new()
             .create(true)
@@ -364,15 +481,28 @@ impl Vm {
             spec.memory_mb,
             spec.kernel.display(),
             spec.run_dir.display(),
-            incoming.is_some(),
+            launch.incoming != Incoming::None,
             started.elapsed().as_millis()
         );
+        let memory = launch.memory.cloned();
+        let facts = VmFacts {
+            kernel: spec.kernel,
+            initramfs: spec.initramfs,
+            kernel_cmdline: cmdline,
+            cpu_count: spec.cpu_count,
+            memory_mb: spec.memory_mb,
+            disk: spec.disk,
+            tap: spec.tap,
+            memory,
+        };
         Ok(Vm {
             child,
             exit: None,
             qmp,
             paths,
             accel: spec.accel,
+            facts,
+            migration_tuned: false,
         })
     }
 
@@ -521,7 +651,7 @@ mod tests {
         VmSpec {
             run_dir: "/run/agentenv/sb1".into(),
             kernel: "/assets/vmlinux".into(),
-            initramfs: "/assets/initramfs.cpio".into(),
+            initramfs: "/assets/initramfs.img".into(),
             kernel_args: vec!["agentenv.port=49983".into(), "init=/init".into()],
             cpu_count: 2,
             memory_mb: 512,
@@ -533,8 +663,15 @@ mod tests {
         }
     }
 
+    fn launch(incoming: Option<&Path>) -> Launch<'_> {
+        Launch {
+            incoming: incoming.map_or(Incoming::None, Incoming::File),
+            ..Launch::cold()
+        }
+    }
+
     fn argv(spec: &VmSpec, incoming: Option<&Path>) -> Vec<String> {
-        build_argv(spec, &RunPaths::new(&spec.run_dir), incoming)
+        build_argv(spec, &RunPaths::new(&spec.run_dir), &launch(incoming))
             .unwrap()
             .into_iter()
             .map(|s| s.into_string().unwrap())
@@ -559,7 +696,7 @@ mod tests {
         let a = argv(&spec(Accel::Tcg { tsc_khz: 2_596_144 }), None);
         assert_eq!(
             value(&a, "-M"),
-            "microvm,acpi=on,auto-kernel-cmdline=off,pit=on,pic=off"
+            "microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram,pit=on,pic=off"
         );
         assert_eq!(value(&a, "-accel"), "tcg,tb-size=32");
         assert_eq!(value(&a, "-cpu"), "max");
@@ -572,7 +709,10 @@ mod tests {
     #[test]
     fn kvm_flags() {
         let a = argv(&spec(Accel::Kvm), None);
-        assert_eq!(value(&a, "-M"), "microvm,acpi=on,auto-kernel-cmdline=off");
+        assert_eq!(
+            value(&a, "-M"),
+            "microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram"
+        );
         assert_eq!(value(&a, "-accel"), "kvm");
         assert_eq!(value(&a, "-cpu"), "host");
         assert_eq!(
@@ -592,8 +732,9 @@ mod tests {
         }
         assert_eq!(value(&a, "-smp"), "2");
         assert_eq!(value(&a, "-m"), "512M");
+        assert_eq!(value(&a, "-object"), "memory-backend-ram,id=ram,size=512M");
         assert_eq!(value(&a, "-kernel"), "/assets/vmlinux");
-        assert_eq!(value(&a, "-initrd"), "/assets/initramfs.cpio");
+        assert_eq!(value(&a, "-initrd"), "/assets/initramfs.img");
         assert_eq!(
             value(&a, "-sandbox"),
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
@@ -636,7 +777,7 @@ mod tests {
         assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
         assert_eq!(value(&a, "-incoming"), "file:/state/mem.bin");
         let paths = RunPaths::new(&s.run_dir);
-        assert!(build_argv(&s, &paths, Some(Path::new("/a,b"))).is_err());
+        assert!(build_argv(&s, &paths, &launch(Some(Path::new("/a,b")))).is_err());
     }
 
     #[test]
@@ -644,17 +785,17 @@ mod tests {
         let paths = RunPaths::new(Path::new("/r"));
         let mut s = spec(Accel::Kvm);
         s.kernel_args.push("bad\narg".into());
-        assert!(build_argv(&s, &paths, None).is_err());
+        assert!(build_argv(&s, &paths, &launch(None)).is_err());
         let mut s = spec(Accel::Kvm);
         s.kernel_args.push("x".repeat(MAX_CMDLINE));
-        let e = build_argv(&s, &paths, None).unwrap_err();
+        let e = build_argv(&s, &paths, &launch(None)).unwrap_err();
         assert!(e.to_string().contains("kernel command line"), "{e}");
         let mut s = spec(Accel::Kvm);
         s.tap = Some("tap0,script=/bin/evil".into());
-        assert!(build_argv(&s, &paths, None).is_err());
+        assert!(build_argv(&s, &paths, &launch(None)).is_err());
         let mut s = spec(Accel::Kvm);
         s.cpu_count = 0;
-        assert!(build_argv(&s, &paths, None).is_err());
+        assert!(build_argv(&s, &paths, &launch(None)).is_err());
     }
 
     #[test]

@@ -237,6 +237,84 @@ impl Qmp {
             .map(drop)
     }
 
+    /// Turns migration capabilities on or off, e.g. `[("x-ignore-shared", true)]`.
+    pub fn migrate_set_capabilities(&mut self, caps: &[(&str, bool)]) -> Result<(), VmError> {
+        let caps: Vec<Value> = caps
+            .iter()
+            .map(|(name, state)| json!({ "capability": name, "state": state }))
+            .collect();
+        self.execute(
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": caps })),
+        )
+        .map(drop)
+    }
+
+    /// On a VM started with `-incoming defer`: starts loading the state saved in `path`.
+    /// Returns at once; wait for the `paused` status.
+    pub fn migrate_incoming_file(&mut self, path: &Path) -> Result<(), VmError> {
+        let path = super::qemu::state_uri_path(path)?;
+        self.execute(
+            "migrate-incoming",
+            Some(json!({ "uri": format!("file:{path}") })),
+        )
+        .map(drop)
+    }
+
+    /// Switches the block device `device` onto the existing qcow2 `overlay` (whose backing
+    /// file must be the device's current image): from then on the guest writes to
+    /// `overlay`, and the previous image is never written again. QEMU keeps the overlay's
+    /// backing-file string as it is, so a relative one stays relative.
+    pub fn blockdev_snapshot_existing(
+        &mut self,
+        device: &str,
+        overlay: &Path,
+    ) -> Result<(), VmError> {
+        let overlay = overlay.to_str().ok_or_else(|| {
+            VmError::InvalidSpec(format!("disk path {} is not UTF-8", overlay.display()))
+        })?;
+        self.execute(
+            "blockdev-snapshot-sync",
+            Some(json!({
+                "device": device,
+                "snapshot-file": overlay,
+                "format": "qcow2",
+                "mode": "existing",
+            })),
+        )
+        .map(drop)
+    }
+
+    /// Polls `query-status` until it reports `want` (Ok), at most `timeout`. Fails at once
+    /// when an incoming migration failed or the guest shut down.
+    pub fn wait_status(&mut self, want: &str, timeout: Duration) -> Result<(), VmError> {
+        let start = Instant::now();
+        let mut interval = Duration::from_micros(500);
+        loop {
+            let status = self.query_status()?;
+            if status == want {
+                return Ok(());
+            }
+            if matches!(
+                status.as_str(),
+                "shutdown" | "internal-error" | "io-error" | "guest-panicked"
+            ) {
+                return Err(VmError::Qmp {
+                    command: "query-status".into(),
+                    message: format!("the VM is {status}, expected {want}"),
+                });
+            }
+            if start.elapsed() >= timeout {
+                return Err(VmError::Timeout {
+                    what: format!("the VM to be {want} (it is {status})"),
+                    after_ms: timeout.as_millis() as u64,
+                });
+            }
+            std::thread::sleep(interval);
+            interval = (interval * 2).min(Duration::from_millis(5));
+        }
+    }
+
     /// The raw `query-migrate` reply.
     pub fn query_migrate(&mut self) -> Result<Value, VmError> {
         self.execute("query-migrate", None)
@@ -246,7 +324,7 @@ impl Qmp {
     /// (Err), at most `timeout`.
     pub fn wait_migration(&mut self, timeout: Duration) -> Result<(), VmError> {
         let start = Instant::now();
-        let mut interval = Duration::from_millis(2);
+        let mut interval = Duration::from_millis(1);
         loop {
             let info = self.query_migrate()?;
             let status = info["status"].as_str().unwrap_or("none");
@@ -270,7 +348,7 @@ impl Qmp {
                 });
             }
             std::thread::sleep(interval);
-            interval = (interval * 2).min(Duration::from_millis(20));
+            interval = (interval * 2).min(Duration::from_millis(5));
         }
     }
 }

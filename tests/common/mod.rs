@@ -3,6 +3,10 @@
 
 #![allow(dead_code)]
 
+pub mod registry;
+
+pub mod extension;
+
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;

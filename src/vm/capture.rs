@@ -1,0 +1,650 @@
+//! Capturing a running VM (RAM + devices + disk, at one instant) and restoring captures
+//! into new QEMU processes: the VM-level half of pause, resume, snapshots, templates and
+//! fork.
+//!
+//! - Pause: [`Vm::capture`] with [`DiskCapture::InPlace`], then [`Vm::quit`] (or both at
+//!   once: [`Vm::pause`]). The record points at the sandbox's own disk, consistent once
+//!   QEMU has exited.
+//! - Snapshot / fork parent / template: [`Vm::capture`] with [`DiskCapture::Freeze`]; the
+//!   VM is left stopped on a fresh top layer; [`Vm::resume_vcpus`] lets it run on (or quit
+//!   it, for a template build).
+//! - Resume / clone: [`create_clone_disk`](super::create_clone_disk) (clones only), then
+//!   [`Vm::restore`] (or [`Vm::spawn_standby`] + [`Vm::load_incoming`]) → the VM is
+//!   `paused` with the state loaded and vCPUs not run yet (the caller's start-resume hook
+//!   goes here), then [`Vm::resume_vcpus`], then [`sync_guest_clock`] once the agent
+//!   answers.
+//!
+//! State files are written as `state.bin.partial` and renamed to `state.bin` only once
+//! QEMU reported `completed` and the data was fsync'd: a crash or kill mid-capture never
+//! leaves a `state.bin` that is not whole.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::disk::{self, disk_chain, DiskChain, MAX_CHAIN_LAYERS};
+use super::qemu::{Incoming, Launch, MemoryFile, Vm, VmSpec};
+use super::{Accel, VmError};
+use crate::agent::{AgentClient, AgentError};
+
+/// The state file's name inside a capture directory.
+pub const STATE_FILE: &str = "state.bin";
+const PARTIAL_SUFFIX: &str = ".partial";
+/// Current [`CaptureRecord::format`].
+pub const CAPTURE_FORMAT: u32 = 1;
+/// The QEMU block device id of the root disk (`-drive id=root`).
+const ROOT_DRIVE: &str = "root";
+/// Migration bandwidth cap during a capture: effectively none (QEMU's default is
+/// 128 MiB/s, several times slower than writing the file).
+const CAPTURE_BANDWIDTH: u64 = 64 << 30;
+/// Every capture and restore migrates with `x-ignore-shared`: RAM mapped shared from a
+/// file is left out of the state file (the file holds it), anonymous or privately mapped
+/// RAM is saved as usual, and since both ends always agree on the stream format, any state
+/// file restores into any VM of the same shape. (QEMU 10 cannot set it with `-global`,
+/// hence `-incoming defer` on every restore.)
+pub(crate) const MIGRATION_CAPS: &[(&str, bool)] = &[("x-ignore-shared", true)];
+/// How long saving the state may take.
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long loading the state may take.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long QEMU may take to exit after `quit`.
+const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What happens to the disk in a capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskCapture {
+    /// The VM is about to quit (pause): the record references its disk chain where it is.
+    /// Only valid for resuming this same sandbox, and only once QEMU has exited.
+    InPlace,
+    /// Freeze the disk at the capture instant: switch the VM onto a new empty top layer
+    /// and hard-link the now immutable chain into the capture directory (snapshots,
+    /// templates, fork). The VM may run on afterwards.
+    Freeze,
+}
+
+/// Everything needed to restore a capture, and what it costs on disk. This is what the
+/// orchestrator stores (serialised as JSON) with a paused sandbox, snapshot or template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CaptureRecord {
+    /// [`CAPTURE_FORMAT`] when written.
+    pub format: u32,
+    pub captured_at_unix_ms: u64,
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// The exact kernel command line the VM booted with; a restore must pass the same.
+    pub kernel_cmdline: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    /// "kvm" or "tcg": a state file restores only under the accelerator that saved it.
+    pub accel: String,
+    /// Whether the VM had a NIC (the device set must match on restore).
+    pub nic: bool,
+    /// The device state (and RAM, unless `memory_file` holds it).
+    pub state_file: PathBuf,
+    pub state_bytes: u64,
+    /// The guest RAM, when the VM ran with its RAM mapped shared from a file: clones map
+    /// it copy-on-write. `None`: the RAM is in `state_file`.
+    pub memory_file: Option<PathBuf>,
+    /// The top of the captured disk chain (immutable for `Freeze`; the sandbox's live disk
+    /// for `InPlace`).
+    pub disk: PathBuf,
+    /// The chain's qcow2 layers, bottom first, `disk` last. For `Freeze` they are hard
+    /// links inside the capture directory.
+    pub disk_layers: Vec<PathBuf>,
+    /// The raw base image under the bottom layer (shared, immutable, in the image store).
+    pub disk_base: Option<PathBuf>,
+    pub disk_virtual_bytes: u64,
+    /// Bytes allocated on the host by the layers (shared with the source through links).
+    pub disk_allocated_bytes: u64,
+    /// Whether the disk was frozen (`Freeze`) or left in place (`InPlace`).
+    pub disk_frozen: bool,
+}
+
+/// Where the time of a capture went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CaptureStats {
+    /// Creating the next top layer (before the VM is stopped).
+    pub prepare_ms: u64,
+    /// `stop` until the disk switch is done.
+    pub stop_ms: u64,
+    pub disk_switch_ms: u64,
+    /// `migrate` until `completed`.
+    pub migrate_ms: u64,
+    /// fsync of the state file (and RAM file), rename, directory fsync, disk links.
+    pub sync_ms: u64,
+    /// `stop` to the end: how long the guest was frozen by the capture.
+    pub frozen_ms: u64,
+    pub total_ms: u64,
+    pub state_bytes: u64,
+}
+
+/// Where the time of a restore went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreStats {
+    /// Until QMP answered.
+    pub spawn_ms: u64,
+    /// Until the state was loaded (`paused`).
+    pub load_ms: u64,
+    pub total_ms: u64,
+}
+
+/// Where and how a capture is restored. Everything else comes from the
+/// [`CaptureRecord`].
+#[derive(Debug)]
+pub struct RestoreSpec {
+    /// This VM's run dir (sockets, logs).
+    pub run_dir: PathBuf,
+    /// The writable top layer: [`super::create_clone_disk`] for a clone, the record's
+    /// `disk` to resume a paused sandbox.
+    pub disk: PathBuf,
+    /// The network namespace to run in; must hold `tap` when the record has a NIC.
+    pub netns: Option<File>,
+    /// The tap device; required (and only allowed) when the record has a NIC.
+    pub tap: Option<String>,
+    pub accel: Accel,
+    pub qemu_binary: PathBuf,
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn fsync_path(path: &Path) -> Result<(), VmError> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| VmError::io(format!("cannot fsync {}", path.display()), e))
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), VmError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| VmError::io(format!("cannot fsync directory {}", dir.display()), e))
+}
+
+fn allocated_bytes(paths: &[PathBuf]) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    paths
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
+}
+
+impl Vm {
+    /// The disk QEMU writes to now (moves with each [`DiskCapture::Freeze`]).
+    pub fn disk(&self) -> &Path {
+        &self.facts.disk
+    }
+
+    /// The kernel command line the VM booted with.
+    pub fn kernel_cmdline(&self) -> &str {
+        &self.facts.kernel_cmdline
+    }
+
+    /// Captures the VM into `dir` (created if missing): stops the vCPUs, handles the disk
+    /// as `disk` says, saves the device state and RAM to `dir/state.bin`, fsyncs it. The VM
+    /// stays stopped: follow with [`Vm::resume_vcpus`] (it runs on) or [`Vm::quit`].
+    ///
+    /// On error the VM is stopped too (or gone, if QEMU died); no `state.bin` is left in
+    /// `dir`. A VM whose RAM is a shared file must quit after a capture: its RAM file is
+    /// the captured RAM.
+    pub fn capture(
+        &mut self,
+        dir: &Path,
+        disk: DiskCapture,
+    ) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        self.capture_then(dir, disk, false)
+    }
+
+    /// [`Vm::capture`]; with `quit`, QEMU is told to exit as soon as the state is written,
+    /// and exits while the state file is fsync'd.
+    fn capture_then(
+        &mut self,
+        dir: &Path,
+        disk: DiskCapture,
+        quit: bool,
+    ) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        let started = Instant::now();
+        let mut stats = CaptureStats::default();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| VmError::io(format!("cannot create capture dir {}", dir.display()), e))?;
+        let state = dir.join(STATE_FILE);
+        let partial = dir.join(format!("{STATE_FILE}{PARTIAL_SUFFIX}"));
+        for stale in [&state, &partial] {
+            match std::fs::remove_file(stale) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(VmError::io(
+                        format!("cannot remove old {}", stale.display()),
+                        e,
+                    ))
+                }
+            }
+        }
+
+        // The next top layer is made while the guest still runs: qemu-img does not open
+        // the (in use) backing file.
+        let chain = disk_chain(&self.facts.disk)?;
+        let next_top = match disk {
+            DiskCapture::InPlace => None,
+            DiskCapture::Freeze => {
+                let sandbox_dir = self.facts.disk.parent().unwrap_or(Path::new("."));
+                let next = disk::next_layer_path(sandbox_dir, &chain);
+                let backing = self
+                    .facts
+                    .disk
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .ok_or_else(|| {
+                        VmError::InvalidSpec(format!(
+                            "disk {} is not UTF-8",
+                            self.facts.disk.display()
+                        ))
+                    })?;
+                disk::create_layer(&next, backing, chain.virtual_size)?;
+                Some(next)
+            }
+        };
+        stats.prepare_ms = ms(started.elapsed());
+
+        let stopped = Instant::now();
+        let result = self.capture_stopped(&state, &partial, next_top.as_deref(), quit, &mut stats);
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&partial);
+            if let Some(next) = &next_top {
+                if self.facts.disk != *next {
+                    let _ = std::fs::remove_file(next);
+                }
+            }
+            log::warn!(
+                "vm op=capture pid={} result=error dir={} error={e}",
+                self.pid(),
+                dir.display()
+            );
+            return Err(e);
+        }
+
+        let sync = Instant::now();
+        let (disk_layers, disk_base) = match disk {
+            DiskCapture::InPlace => (chain.layers.clone(), chain.base.clone()),
+            DiskCapture::Freeze => {
+                let links = disk::link_layers(&chain.layers, dir)?;
+                (links, chain.base.clone())
+            }
+        };
+        fsync_dir(dir)?;
+        if let Some(memory) = self.facts.memory.as_ref().filter(|m| m.shared) {
+            fsync_path(&memory.path)?;
+        }
+        stats.sync_ms += ms(sync.elapsed());
+        stats.frozen_ms = ms(stopped.elapsed());
+        stats.total_ms = ms(started.elapsed());
+
+        let record = CaptureRecord {
+            format: CAPTURE_FORMAT,
+            captured_at_unix_ms: unix_ms_now(),
+            kernel: self.facts.kernel.clone(),
+            initramfs: self.facts.initramfs.clone(),
+            kernel_cmdline: self.facts.kernel_cmdline.clone(),
+            cpu_count: self.facts.cpu_count,
+            memory_mb: self.facts.memory_mb,
+            accel: self.accel().name().into(),
+            nic: self.facts.tap.is_some(),
+            state_file: state,
+            state_bytes: stats.state_bytes,
+            memory_file: self
+                .facts
+                .memory
+                .as_ref()
+                .filter(|m| m.shared)
+                .map(|m| m.path.clone()),
+            disk: disk_layers.last().cloned().expect("a chain has a top"),
+            disk_allocated_bytes: allocated_bytes(&disk_layers),
+            disk_layers,
+            disk_base,
+            disk_virtual_bytes: chain.virtual_size,
+            disk_frozen: disk == DiskCapture::Freeze,
+        };
+        log::info!(
+            "vm op=capture pid={} result=ok dir={} disk={disk:?} stateBytes={} stopMs={} \
+             diskMs={} migrateMs={} syncMs={} frozenMs={} totalMs={}",
+            self.pid(),
+            dir.display(),
+            stats.state_bytes,
+            stats.stop_ms,
+            stats.disk_switch_ms,
+            stats.migrate_ms,
+            stats.sync_ms,
+            stats.frozen_ms,
+            stats.total_ms
+        );
+        Ok((record, stats))
+    }
+
+    /// The part of a capture with the vCPUs stopped, up to the renamed state file.
+    fn capture_stopped(
+        &mut self,
+        state: &Path,
+        partial: &Path,
+        next_top: Option<&Path>,
+        quit: bool,
+        stats: &mut CaptureStats,
+    ) -> Result<(), VmError> {
+        let t = Instant::now();
+        self.qmp().stop()?;
+        stats.stop_ms = ms(t.elapsed());
+        if let Some(next) = next_top {
+            let t = Instant::now();
+            self.qmp().blockdev_snapshot_existing(ROOT_DRIVE, next)?;
+            self.facts.disk = next.to_path_buf();
+            stats.disk_switch_ms = ms(t.elapsed());
+        }
+        let t = Instant::now();
+        if !self.migration_tuned {
+            self.qmp().migrate_set_parameters(CAPTURE_BANDWIDTH)?;
+            self.qmp().migrate_set_capabilities(MIGRATION_CAPS)?;
+            self.migration_tuned = true;
+        }
+        self.qmp().migrate_to_file(partial)?;
+        self.qmp().wait_migration(MIGRATION_TIMEOUT)?;
+        stats.migrate_ms = ms(t.elapsed());
+
+        let t = Instant::now();
+        let file = File::open(partial)
+            .map_err(|e| VmError::io(format!("cannot open {}", partial.display()), e))?;
+        // The fsync (tens of ms for a 256 MiB guest) overlaps QEMU's exit on a pause.
+        let synced = std::thread::scope(|s| {
+            let sync = s.spawn(|| file.sync_all());
+            let quitted = if quit { self.quit() } else { Ok(()) };
+            let synced = sync
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked")));
+            quitted.map(|()| synced)
+        })?;
+        synced.map_err(|e| VmError::io(format!("cannot fsync {}", partial.display()), e))?;
+        stats.state_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+        drop(file);
+        std::fs::rename(partial, state).map_err(|e| {
+            VmError::io(
+                format!("cannot rename {} to {}", partial.display(), state.display()),
+                e,
+            )
+        })?;
+        stats.sync_ms = ms(t.elapsed());
+        Ok(())
+    }
+
+    /// Lets the vCPUs run (after a capture, or after a restore is prepared).
+    pub fn resume_vcpus(&mut self) -> Result<(), VmError> {
+        self.qmp().cont()
+    }
+
+    /// Asks QEMU to exit and waits for it (the disk is flushed and closed then).
+    pub fn quit(&mut self) -> Result<(), VmError> {
+        if self.try_wait().is_none() {
+            self.qmp().quit()?;
+        }
+        match self.wait_timeout(QUIT_TIMEOUT) {
+            Some(_) => Ok(()),
+            None => Err(VmError::Timeout {
+                what: format!("QEMU {} to exit after quit", self.pid()),
+                after_ms: ms(QUIT_TIMEOUT),
+            }),
+        }
+    }
+
+    /// Pause: capture into `dir` with the disk in place, then quit (QEMU exits while the
+    /// state file is fsync'd). On an error before the state was written the VM is left
+    /// stopped (QEMU running): the caller may resume it or kill it.
+    pub fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        let started = Instant::now();
+        let (record, mut stats) = self.capture_then(dir, DiskCapture::InPlace, true)?;
+        stats.total_ms = ms(started.elapsed());
+        Ok((record, stats))
+    }
+
+    /// Restores `record` into a new QEMU process and returns once the state is loaded: the
+    /// VM is `paused`, its vCPUs have not run. Call [`Vm::resume_vcpus`] to start it.
+    /// Call on the thread that will supervise the VM (see [`Vm::spawn`]).
+    pub fn restore(
+        record: &CaptureRecord,
+        spec: RestoreSpec,
+    ) -> Result<(Vm, RestoreStats), VmError> {
+        let started = Instant::now();
+        check_restorable(record, &spec)?;
+        let memory = restore_memory(record);
+        let launch = Launch {
+            cmdline: Some(&record.kernel_cmdline),
+            memory: memory.as_ref(),
+            incoming: Incoming::Defer,
+        };
+        let mut vm = Vm::start(vm_spec(record, spec), launch)?;
+        let spawn_ms = ms(started.elapsed());
+        vm.load_incoming(record)?;
+        let stats = RestoreStats {
+            spawn_ms,
+            load_ms: ms(started.elapsed()) - spawn_ms,
+            total_ms: ms(started.elapsed()),
+        };
+        log::info!(
+            "vm op=restore pid={} state={} disk={} spawnMs={} loadMs={}",
+            vm.pid(),
+            record.state_file.display(),
+            vm.disk().display(),
+            stats.spawn_ms,
+            stats.load_ms
+        );
+        Ok((vm, stats))
+    }
+
+    /// Starts QEMU shaped for `record` but waiting for its state (`-incoming defer`): the
+    /// expensive part of a restore (process start, kernel and initramfs load, device
+    /// setup) done ahead of time. QEMU opens the tap at start, so `spec.netns` must be the
+    /// namespace the clone will live in. Follow with [`Vm::load_incoming`].
+    pub fn spawn_standby(record: &CaptureRecord, spec: RestoreSpec) -> Result<Vm, VmError> {
+        check_restorable(record, &spec)?;
+        let memory = restore_memory(record);
+        let launch = Launch {
+            cmdline: Some(&record.kernel_cmdline),
+            memory: memory.as_ref(),
+            incoming: Incoming::Defer,
+        };
+        Vm::start(vm_spec(record, spec), launch)
+    }
+
+    /// On a [`Vm::spawn_standby`] VM: loads `record`'s state and returns once it is
+    /// `paused` (vCPUs not run yet).
+    pub fn load_incoming(&mut self, record: &CaptureRecord) -> Result<u64, VmError> {
+        let started = Instant::now();
+        self.qmp().migrate_set_capabilities(MIGRATION_CAPS)?;
+        self.qmp().migrate_incoming_file(&record.state_file)?;
+        self.qmp().wait_status("paused", RESTORE_TIMEOUT)?;
+        Ok(ms(started.elapsed()))
+    }
+
+    /// Merges the disk chain into the top layer (QEMU `block-stream` down to the raw base,
+    /// while the guest runs) and waits for it, then deletes the sandbox's now unused layer
+    /// files (snapshots keep their own links). Bounds the chain a sandbox accumulates over
+    /// many snapshots: call it when [`Vm::disk_chain_depth`] exceeds
+    /// [`MAX_CHAIN_LAYERS`].
+    pub fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError> {
+        let chain = disk_chain(&self.facts.disk)?;
+        if chain.layers.len() <= 1 {
+            return Ok(());
+        }
+        let mut args = serde_json::json!({ "job-id": "flatten", "device": ROOT_DRIVE });
+        if let Some(base) = &chain.base {
+            args["base"] = base.to_string_lossy().into_owned().into();
+        }
+        self.qmp().execute("block-stream", Some(args))?;
+        let started = Instant::now();
+        loop {
+            let jobs = self.qmp().execute("query-block-jobs", None)?;
+            let running = jobs
+                .as_array()
+                .is_some_and(|jobs| jobs.iter().any(|j| j["device"] == "flatten"));
+            if !running {
+                break;
+            }
+            if started.elapsed() >= timeout {
+                return Err(VmError::Timeout {
+                    what: "the disk chain to be merged".into(),
+                    after_ms: ms(timeout),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let after = disk_chain(&self.facts.disk)?;
+        if after.layers.len() != 1 {
+            return Err(VmError::Qmp {
+                command: "block-stream".into(),
+                message: format!(
+                    "the chain still has {} layers after the merge",
+                    after.layers.len()
+                ),
+            });
+        }
+        for old in chain.layers.iter().filter(|l| **l != self.facts.disk) {
+            if let Err(e) = std::fs::remove_file(old) {
+                log::warn!("vm op=flatten_disk path={} error={e}", old.display());
+            }
+        }
+        Ok(())
+    }
+
+    /// How many qcow2 layers the VM's disk chain has.
+    pub fn disk_chain_depth(&self) -> Result<usize, VmError> {
+        Ok(disk_chain(&self.facts.disk)?.layers.len())
+    }
+}
+
+/// Whether a sandbox's chain should be merged ([`Vm::flatten_disk`]) after a capture.
+pub fn chain_too_deep(chain: &DiskChain) -> bool {
+    chain.layers.len() > MAX_CHAIN_LAYERS
+}
+
+fn check_restorable(record: &CaptureRecord, spec: &RestoreSpec) -> Result<(), VmError> {
+    if record.format != CAPTURE_FORMAT {
+        return Err(VmError::InvalidSpec(format!(
+            "capture format {} is not supported (this build reads {CAPTURE_FORMAT})",
+            record.format
+        )));
+    }
+    if record.accel != spec.accel.name() {
+        return Err(VmError::InvalidSpec(format!(
+            "the capture was made under {} and cannot be restored under {}",
+            record.accel,
+            spec.accel.name()
+        )));
+    }
+    if record.nic != spec.tap.is_some() {
+        return Err(VmError::InvalidSpec(format!(
+            "the captured VM {} a NIC; the restore must match (tap)",
+            if record.nic { "had" } else { "had no" }
+        )));
+    }
+    for (what, path) in [
+        ("saved VM state", &record.state_file),
+        ("guest kernel", &record.kernel),
+        ("initramfs", &record.initramfs),
+    ] {
+        if !path.is_file() {
+            return Err(VmError::MissingAsset {
+                what,
+                path: path.clone(),
+            });
+        }
+    }
+    if let Some(memory) = &record.memory_file {
+        if !memory.is_file() {
+            return Err(VmError::MissingAsset {
+                what: "captured guest RAM",
+                path: memory.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Restored VMs map a captured RAM file privately: clones share its page cache and never
+/// write to it.
+fn restore_memory(record: &CaptureRecord) -> Option<MemoryFile> {
+    record.memory_file.as_ref().map(|path| MemoryFile {
+        path: path.clone(),
+        shared: false,
+    })
+}
+
+fn vm_spec(record: &CaptureRecord, spec: RestoreSpec) -> VmSpec {
+    VmSpec {
+        run_dir: spec.run_dir,
+        kernel: record.kernel.clone(),
+        initramfs: record.initramfs.clone(),
+        kernel_args: Vec::new(),
+        cpu_count: record.cpu_count,
+        memory_mb: record.memory_mb,
+        disk: spec.disk,
+        netns: spec.netns,
+        tap: spec.tap,
+        accel: spec.accel,
+        qemu_binary: spec.qemu_binary,
+    }
+}
+
+/// After a restore: sets the guest's wall clock to the host's (it stood still while the
+/// VM was saved). Call once the vCPUs run and the agent answers.
+pub fn sync_guest_clock(agent: &AgentClient) -> Result<(), AgentError> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_err(|_| AgentError::Protocol("host clock is before 1970".into()))?;
+    agent.set_time(now.as_nanos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trips_as_json() {
+        let record = CaptureRecord {
+            format: CAPTURE_FORMAT,
+            captured_at_unix_ms: 1,
+            kernel: "/a/vmlinux".into(),
+            initramfs: "/a/initramfs.img".into(),
+            kernel_cmdline: "console=ttyS0 x=1".into(),
+            cpu_count: 1,
+            memory_mb: 256,
+            accel: "tcg".into(),
+            nic: true,
+            state_file: "/s/state.bin".into(),
+            state_bytes: 10,
+            memory_file: None,
+            disk: "/s/disk-1.qcow2".into(),
+            disk_layers: vec!["/s/disk.qcow2".into(), "/s/disk-1.qcow2".into()],
+            disk_base: Some("/img/base.ext4".into()),
+            disk_virtual_bytes: 1 << 30,
+            disk_allocated_bytes: 4096,
+            disk_frozen: true,
+        };
+        let json = serde_json::to_string(&record).unwrap();
+        assert!(
+            json.contains("\"kernelCmdline\":\"console=ttyS0 x=1\""),
+            "{json}"
+        );
+        let back: CaptureRecord = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, record);
+    }
+}
