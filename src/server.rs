@@ -41,7 +41,6 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
         ))
     })?;
     let api_key = resolve_api_key(&config)?;
-    remove_stale_sandboxes(&state_dir.join("sandboxes"));
     let accel = crate::vm::detect_accel(config.vm.accel)?;
     log::info!("op=startup accel={accel:?}");
     let hooks = HookClient::start(&config.custom_extension, state_dir.join("journal"))?;
@@ -115,20 +114,5 @@ fn resolve_api_key(config: &Config) -> Result<String, StartupError> {
             Ok(key)
         }
         Err(e) => Err(StartupError(format!("cannot read {}: {e}", path.display()))),
-    }
-}
-
-/// Running sandboxes do not survive a restart: their VMs died with the old process, so
-/// their directories (disk overlays, sockets, logs) are removed.
-fn remove_stale_sandboxes(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        log::info!("op=reclaim sandbox_dir={}", path.display());
-        if let Err(e) = std::fs::remove_dir_all(&path) {
-            log::warn!("op=reclaim path={} error={e}", path.display());
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! Response bodies (api.md §3). Field names marked [E2B] in the spec are read by E2B SDKs.
 
-use crate::orchestrator::SandboxInfo;
+use crate::orchestrator::{SandboxInfo, SnapshotRecord};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
 
@@ -50,4 +50,44 @@ fn merge(into: &mut Value, from: Value) {
     if let (Value::Object(a), Value::Object(b)) = (into, from) {
         a.extend(b);
     }
+}
+
+/// `SnapshotInfo` (§3.3).
+pub fn snapshot_info(r: &SnapshotRecord) -> Value {
+    json!({
+        "snapshotID": r.id,
+        "names": r.name.iter().collect::<Vec<_>>(),
+        "sandboxID": r.sandbox_id,
+        "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb,
+        "diskSizeMB": r.disk_size_mb,
+        "createdAt": rfc3339(r.created_at),
+        "updatedAt": rfc3339(r.created_at),
+    })
+}
+
+/// `Template` (§3.4) for a snapshot viewed as a template.
+pub fn template(r: &SnapshotRecord, envd_version: &str) -> Value {
+    let names = match &r.name {
+        Some(n) => vec![n.clone()],
+        None => vec![r.id.clone()],
+    };
+    json!({
+        "templateID": r.id,
+        "buildID": r.id,
+        "names": names,
+        "aliases": names,
+        "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb,
+        "diskSizeMB": r.disk_size_mb,
+        "public": true,
+        "createdBy": null,
+        "createdAt": rfc3339(r.created_at),
+        "updatedAt": rfc3339(r.created_at),
+        "lastSpawnedAt": r.last_spawned_at.map(rfc3339),
+        "spawnCount": r.spawn_count,
+        "buildCount": 1,
+        "envdVersion": envd_version,
+        "buildStatus": "ready",
+    })
 }

@@ -2,7 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::{models, query, ApiError, Context, Reply};
-use crate::orchestrator::{Call, ColdStart, CommandRequest, SandboxInfo};
+use crate::orchestrator::{ColdStart, CommandRequest, FromSnapshot, SandboxInfo};
 use crate::util::is_uuid;
 use serde_json::{json, Value};
 use std::io::Read;
@@ -32,6 +32,21 @@ pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         (["sandboxes-cold"], _) => allow(&["POST"]),
         (["v2", "sandboxes"], Method::Get) => list_v2(ctx, query),
         (["v2", "sandboxes"], _) => allow(&["GET"]),
+        (["snapshots"], Method::Get) => list_snapshots(ctx, query),
+        (["snapshots"], _) => allow(&["GET"]),
+        (["snapshots", name], Method::Get) => get_snapshot(ctx, name),
+        (["snapshots", _], _) => allow(&["GET"]),
+        // Template builds from images (POST /templates) are not built yet; snapshots can
+        // be read and deleted as templates.
+        (["templates"], Method::Get) => Ok(Reply::json(200, json!([]))),
+        (["templates"], Method::Post) => Err(ApiError::new(
+            501,
+            "template builds from images are not implemented yet; create a snapshot with POST /sandboxes/{id}/snapshots and use its name as templateID",
+        )),
+        (["templates"], _) => allow(&["GET", "POST"]),
+        (["templates", name], Method::Get) => get_template(ctx, name),
+        (["templates", name], Method::Delete) => delete_template(ctx, name),
+        (["templates", _], _) => allow(&["GET", "DELETE"]),
         (["sandboxes", id, rest @ ..], _) => sandbox_route(ctx, req, id, rest, &method, query),
         _ => Err(ApiError::not_found(format!("no such endpoint: {path}"))),
     }
@@ -180,17 +195,40 @@ fn internet_access(ctx: &Context, f: &Fields) -> Result<Option<bool>, ApiError> 
 
 fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
+    let cfg = ctx.orchestrator.config();
     let template = f.required_str("templateID")?.to_string();
-    f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?;
-    f.bool("autoPause")?;
-    f.string_map("metadata")?;
-    check_env("envVars", &f.string_map("envVars")?)?;
+    let timeout_secs = f
+        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+        .unwrap_or(cfg.sandbox.default_timeout_secs);
+    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
+    let metadata = f.string_map("metadata")?;
+    let env_vars = f.string_map("envVars")?;
+    check_env("envVars", &env_vars)?;
+    let cpu_count = f.int_in("cpuCount", 1..=u32::MAX as u64)?.map(|v| v as u32);
+    let memory_mb = f.int_in("memoryMB", 1..=u32::MAX as u64)?.map(|v| v as u32);
     reject_unsupported(&f)?;
-    internet_access(ctx, &f)?;
-    // No snapshot or template exists until snapshots land, so every lookup fails here.
-    Err(ApiError::bad_request(format!(
-        "template {template} not found"
-    )))
+    let allow_internet_access = internet_access(ctx, &f)?;
+    let params = match f.raw("customExtensionParams") {
+        None | Some(Value::Null) => json!({}),
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(_) => {
+            return Err(ApiError::unprocessable(
+                "field customExtensionParams must be an object or null",
+            ))
+        }
+    };
+    let info = ctx.orchestrator.create_from_snapshot(FromSnapshot {
+        template,
+        timeout_secs,
+        auto_pause,
+        metadata,
+        env_vars,
+        params,
+        allow_internet_access,
+        cpu_count,
+        memory_mb,
+    })?;
+    Ok(created(ctx, &info, 201))
 }
 
 fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
@@ -408,23 +446,95 @@ fn connect(
 
 fn pause(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
     body(ctx, req)?;
-    ctx.orchestrator
-        .not_implemented(checked_id(id)?, Call::Pause, "pause")?;
+    ctx.orchestrator.pause(checked_id(id)?)?;
     Ok(Reply::Empty(204))
 }
 
 fn snapshot(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
-    body(ctx, req)?;
-    ctx.orchestrator
-        .not_implemented(checked_id(id)?, Call::Snapshot, "snapshots")?;
-    Err(ApiError::new(501, "snapshots are not implemented yet"))
+    let f = body(ctx, req)?;
+    let name = f.str("name")?.map(str::to_string);
+    let record = ctx.orchestrator.snapshot(checked_id(id)?, name)?;
+    Ok(Reply::json(201, models::snapshot_info(&record)))
 }
 
 fn fork(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
-    body(ctx, req)?;
-    ctx.orchestrator
-        .not_implemented(checked_id(id)?, Call::Fork, "fork")?;
-    Err(ApiError::new(501, "fork is not implemented yet"))
+    let f = body(ctx, req)?;
+    let timeout = f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?;
+    let count = f.int_in("count", 1..=100)?.unwrap_or(1) as u32;
+    let children = ctx.orchestrator.fork(checked_id(id)?, count, timeout)?;
+    let entries = children
+        .into_iter()
+        .map(|child| match child {
+            Ok(info) => json!({"sandbox": models::sandbox(&info, envd(ctx))}),
+            Err(e) => {
+                let e = ApiError::from(e);
+                json!({"error": {"code": e.status, "message": e.message}})
+            }
+        })
+        .collect();
+    Ok(Reply::json(201, Value::Array(entries)))
+}
+
+fn list_snapshots(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let limit = query::limit(&pairs)?;
+    let sandbox = query::get(&pairs, "sandboxID");
+    // A `team/` prefix and a `:tag` suffix are stripped from `name` (api.md §4.14).
+    let name = query::get(&pairs, "name").map(|n| {
+        let n = n.rsplit('/').next().unwrap_or(n);
+        n.split(':').next().unwrap_or(n).to_string()
+    });
+    let after = query::get(&pairs, "nextToken")
+        .map(|t| {
+            crate::util::is_uuid(t)
+                .then(|| t.to_string())
+                .ok_or_else(|| ApiError::bad_request("invalid nextToken"))
+        })
+        .transpose()?;
+    let mut items: Vec<_> = ctx
+        .orchestrator
+        .snapshots()
+        .into_iter()
+        .filter(|r| sandbox.is_none_or(|s| r.sandbox_id == s))
+        .filter(|r| name.as_deref().is_none_or(|n| r.name.as_deref() == Some(n)))
+        .collect();
+    items.sort_by(|a, b| b.id.cmp(&a.id));
+    if let Some(after) = &after {
+        items.retain(|r| r.id < *after);
+    }
+    let mut headers = Vec::new();
+    if let Some(limit) = limit {
+        if items.len() > limit {
+            items.truncate(limit);
+            headers.push(("X-Next-Token".to_string(), items[limit - 1].id.clone()));
+        }
+    }
+    Ok(Reply::Json {
+        status: 200,
+        body: Value::Array(items.iter().map(models::snapshot_info).collect()),
+        headers,
+    })
+}
+
+fn get_snapshot(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
+    let record = ctx
+        .orchestrator
+        .find_snapshot(id_or_name)
+        .ok_or_else(|| ApiError::not_found(format!("snapshot {id_or_name} not found")))?;
+    Ok(Reply::json(200, models::snapshot_info(&record)))
+}
+
+fn get_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
+    let record = ctx
+        .orchestrator
+        .find_snapshot(id_or_name)
+        .ok_or_else(|| ApiError::not_found(format!("template {id_or_name} not found")))?;
+    Ok(Reply::json(200, models::template(&record, envd(ctx))))
+}
+
+fn delete_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
+    ctx.orchestrator.delete_snapshot(id_or_name)?;
+    Ok(Reply::Empty(204))
 }
 
 fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {

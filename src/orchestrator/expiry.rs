@@ -1,6 +1,8 @@
-//! The expiry thread: once a second, sandboxes past `endAt` are stopped. `autoPause:
-//! false` deletes; until pause exists, `autoPause: true` also deletes (docs/api.md says so).
+//! The expiry thread: once a second, running sandboxes past `endAt` are stopped:
+//! `autoPause: true` pauses (stop reason `timeout-pause`), `false` deletes
+//! (`timeout-kill`). Paused sandboxes never expire.
 
+use super::operations::pause;
 use super::{delete, SandboxState, Shared};
 use crate::hooks::StopReason;
 use std::sync::Weak;
@@ -16,13 +18,19 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
             let Some(shared) = shared.upgrade() else {
                 return;
             };
-            for id in expired(&shared, SystemTime::now()) {
+            for (id, auto_pause) in expired(&shared, SystemTime::now()) {
                 let shared = shared.clone();
                 // Each expiry runs on its own thread so a slow teardown never delays
                 // another sandbox's expiry.
                 std::thread::spawn(move || {
-                    if delete(&shared, &id, StopReason::TimeoutKill).is_ok() {
-                        log::info!("sandboxId={id} op=expire result=deleted");
+                    let result = if auto_pause {
+                        pause(&shared, &id, StopReason::TimeoutPause).map(|()| "paused")
+                    } else {
+                        delete(&shared, &id, StopReason::TimeoutKill).map(|()| "deleted")
+                    };
+                    match result {
+                        Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
+                        Err(e) => log::warn!("sandboxId={id} op=expire error=\"{e}\""),
                     }
                 });
             }
@@ -30,14 +38,15 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
         .expect("spawn expiry thread");
 }
 
-fn expired(shared: &Shared, now: SystemTime) -> Vec<String> {
+fn expired(shared: &Shared, now: SystemTime) -> Vec<(String, bool)> {
     shared
         .sandboxes
         .read()
         .values()
         .filter_map(|e| {
             let info = e.info.lock();
-            (info.state == SandboxState::Running && info.end_at <= now).then(|| info.id.clone())
+            (info.state == SandboxState::Running && info.end_at <= now)
+                .then(|| (info.id.clone(), info.auto_pause))
         })
         .collect()
 }

@@ -10,11 +10,15 @@ mod error;
 mod expiry;
 mod lifecycle;
 mod metrics;
+mod operations;
+mod records;
 mod sandbox;
+mod snapshots;
 mod supervisor;
 
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
+pub use snapshots::SnapshotRecord;
 
 use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;
@@ -55,6 +59,21 @@ pub struct Connected {
     pub resumed: bool,
 }
 
+/// `POST /sandboxes`, checked field by field by the API.
+#[derive(Debug, Clone)]
+pub struct FromSnapshot {
+    pub template: String,
+    pub timeout_secs: u64,
+    pub auto_pause: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// `null`/`{}` inherit the snapshot's params (CE §10.5).
+    pub params: serde_json::Value,
+    pub allow_internet_access: Option<bool>,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u32>,
+}
+
 /// A command request from the API; the env is merged here.
 #[derive(Debug, Clone)]
 pub struct CommandRequest {
@@ -81,6 +100,7 @@ pub(crate) struct Shared {
     pub images: ImageStore,
     pub accel: Accel,
     pub sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
+    pub snapshots: snapshots::Snapshots,
     pub operations: OperationCounters,
     pub shutting_down: AtomicBool,
 }
@@ -97,6 +117,15 @@ impl Shared {
             .get(id)
             .cloned()
             .ok_or_else(|| OrchError::sandbox_not_found(id))
+    }
+
+    /// Forgets a sandbox whose VM died on its own (the supervisor tears it down).
+    pub fn forget_dead(&self, id: &str) {
+        if let Some(entry) = self.unregister(id) {
+            entry.runtime.lock().take();
+            let mut info = entry.info.lock();
+            info.state = SandboxState::Deleting;
+        }
     }
 
     /// Removes a sandbox from the registry; later calls see 404.
@@ -122,13 +151,16 @@ impl Orchestrator {
             config.server.state_dir.join("images"),
             crate::image::ImageOptions::from(&config.images),
         );
+        let snapshots = snapshots::Snapshots::load(config.server.state_dir.join("snapshots"));
+        let sandboxes = load_sandboxes(&config.server.state_dir.join("sandboxes"));
         let shared = Arc::new(Shared {
             config,
             slots,
             hooks,
             images,
             accel,
-            sandboxes: RwLock::new(HashMap::new()),
+            sandboxes: RwLock::new(sandboxes),
+            snapshots,
             operations: OperationCounters::default(),
             shutting_down: AtomicBool::new(false),
         });
@@ -162,7 +194,7 @@ impl Orchestrator {
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
     pub fn create_cold(&self, req: ColdStart) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = supervisor::create_cold(&self.shared, req);
+        let result = operations::create_cold(&self.shared, req);
         self.shared.operations.record("create_cold", result.is_ok());
         result
     }
@@ -206,42 +238,116 @@ impl Orchestrator {
     }
 
     /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
-    /// expiry changed, with no hooks: connect never shortens it, resume resets it.
+    /// expiry changed, with no hooks: connect never shortens it, resume resets it. A
+    /// paused one is resumed (CE §5.5).
     pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
         self.refuse_when_shutting_down()?;
-        let entry = self.entry(id)?;
-        let call = if is_connect {
-            Call::Connect
-        } else {
-            Call::Resume
-        };
-        let result = match admit(&entry, id, call)? {
-            Admitted::AlreadyDone(_) => {
-                extend_expiry(&entry, secs, !is_connect);
-                let info = entry.info.lock().clone();
-                Ok(Connected {
-                    info,
-                    resumed: false,
-                })
-            }
-            Admitted::Proceed(_guard) => Err(OrchError::Internal(
-                "resuming a paused sandbox is not implemented yet".into(),
-            )),
-        };
+        let result = operations::resume(&self.shared, id, secs, is_connect);
+        if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
+            self.shared.operations.record("resume", result.is_ok());
+        }
         result
     }
 
-    /// Admits a call that is not implemented yet, so that the state rules (404, 409)
-    /// still answer first.
-    pub fn not_implemented(&self, id: &str, call: Call, what: &str) -> Result<(), OrchError> {
+    /// `POST …/pause`: 204 once paused; a paused sandbox answers 204 with no hooks.
+    pub fn pause(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let entry = self.entry(id)?;
-        let result = match admit(&entry, id, call)? {
-            Admitted::AlreadyDone(_) => Ok(()),
-            Admitted::Proceed(_guard) => Err(OrchError::NotImplemented(format!(
-                "{what} is not implemented yet"
-            ))),
+        let result = operations::pause(&self.shared, id, StopReason::Pause);
+        self.shared.operations.record("pause", result.is_ok());
+        result
+    }
+
+    /// `POST …/snapshots`.
+    pub fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRecord, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let result = operations::snapshot(&self.shared, id, name);
+        self.shared.operations.record("snapshot", result.is_ok());
+        result
+    }
+
+    /// Every snapshot captured from a sandbox.
+    pub fn snapshots(&self) -> Vec<SnapshotRecord> {
+        self.shared.snapshots.list()
+    }
+
+    pub fn find_snapshot(&self, id_or_name: &str) -> Option<SnapshotRecord> {
+        self.shared.snapshots.lookup(id_or_name)
+    }
+
+    /// `DELETE /templates/{idOrName}` for snapshots; sandboxes made from it keep working.
+    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        self.shared.snapshots.delete(id_or_name);
+        Ok(())
+    }
+
+    /// `POST /sandboxes` (CE §5.3): a new sandbox restored from a snapshot.
+    pub fn create_from_snapshot(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let result = self.create_from_snapshot_inner(req);
+        self.shared.operations.record("create", result.is_ok());
+        result
+    }
+
+    fn create_from_snapshot_inner(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
+        let snap =
+            self.shared.snapshots.lookup(&req.template).ok_or_else(|| {
+                OrchError::BadRequest(format!("template {} not found", req.template))
+            })?;
+        for (field, asked, has) in [
+            ("cpuCount", req.cpu_count, snap.cpu_count),
+            ("memoryMB", req.memory_mb, snap.memory_mb),
+        ] {
+            if asked.is_some_and(|a| a != has) {
+                return Err(OrchError::BadRequest(format!(
+                    "{field} must equal the template's value {has}: a restored snapshot cannot change it"
+                )));
+            }
+        }
+        let params = if is_empty_params(&req.params) {
+            snap.params.clone()
+        } else if !self.shared.hooks.enabled() {
+            return Err(operations::hook_error(crate::hooks::HookError::Disabled));
+        } else {
+            req.params.clone()
         };
+        let mut env_vars = snap.env_vars.clone();
+        env_vars.extend(req.env_vars);
+        let internet_access =
+            self.shared.config.network.outbound && req.allow_internet_access != Some(false);
+        let info = operations::clone_from_capture(
+            &self.shared,
+            &snap.capture,
+            operations::CloneSpec {
+                template_id: snap.id.clone(),
+                alias: snap.name.clone(),
+                timeout_secs: req.timeout_secs,
+                auto_pause: req.auto_pause,
+                metadata: req.metadata,
+                env_vars,
+                image_env: snap.image_env.clone(),
+                params,
+                internet_access,
+                cpu_count: snap.cpu_count,
+                memory_mb: snap.memory_mb,
+                disk_size_mb: snap.disk_size_mb,
+            },
+        )?;
+        self.shared.snapshots.note_spawn(&snap.id);
+        Ok(info)
+    }
+
+    /// `POST …/fork`: `count` children from one checkpoint; each entry is the child or its
+    /// error.
+    pub fn fork(
+        &self,
+        id: &str,
+        count: u32,
+        timeout_secs: Option<u64>,
+    ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
+        self.refuse_when_shutting_down()?;
+        let result = operations::fork(&self.shared, id, count, timeout_secs);
+        self.shared.operations.record("fork", result.is_ok());
         result
     }
 
@@ -262,7 +368,7 @@ impl Orchestrator {
         let entry = self.entry(id)?;
         admit(&entry, id, Call::PatchParams)?;
         if !self.shared.hooks.enabled() {
-            return Err(supervisor::hook_error(crate::hooks::HookError::Disabled));
+            return Err(operations::hook_error(crate::hooks::HookError::Disabled));
         }
         if !entry.begin_patch() {
             return Err(OrchError::Conflict(format!(
@@ -278,7 +384,7 @@ impl Orchestrator {
         self.shared
             .operations
             .record("patch_params", result.is_ok());
-        result.map_err(supervisor::hook_error)
+        result.map_err(operations::hook_error)
     }
 
     /// Stored extension params, `{}` when empty; in every state.
@@ -371,8 +477,9 @@ impl Orchestrator {
         out
     }
 
-    /// Graceful shutdown: refuse new work, stop every sandbox, release the network.
-    /// Until pause exists, running sandboxes are deleted.
+    /// Graceful shutdown (CE §9.1): refuse new work, pause every running sandbox (stop
+    /// reason `shutdown`; one whose pause fails is deleted), give pending stop retries a
+    /// final attempt, release the network.
     pub fn shutdown(&self) {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         let ids: Vec<String> = self.shared.sandboxes.read().keys().cloned().collect();
@@ -382,7 +489,10 @@ impl Orchestrator {
             .map(|id| {
                 let shared = self.shared.clone();
                 std::thread::spawn(move || {
-                    let _ = delete(&shared, &id, StopReason::Shutdown);
+                    if let Err(e) = operations::pause(&shared, &id, StopReason::Shutdown) {
+                        log::error!("sandboxId={id} op=shutdown_pause error=\"{e}\"");
+                        let _ = delete(&shared, &id, StopReason::Shutdown);
+                    }
                 })
             })
             .collect();
@@ -414,13 +524,46 @@ pub(crate) fn delete(shared: &Shared, id: &str, reason: StopReason) -> Result<()
             // nothing left to do.
             let _ = rx.recv();
         }
+    } else {
+        // Paused: no VM, no slot, no hook (its stop was sent when it paused).
+        let dir = shared.sandboxes_dir().join(id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            log::warn!("sandboxId={id} op=delete path={} error={e}", dir.display());
+        }
     }
     log::info!("sandboxId={id} op=delete result=ok");
     Ok(())
 }
 
+/// Paused sandboxes from their records; the directories of sandboxes that were running
+/// when the server stopped are removed (their VMs died with it).
+fn load_sandboxes(dir: &std::path::Path) -> HashMap<String, Arc<SandboxEntry>> {
+    let loaded = records::load_all(dir);
+    for stale in loaded.stale {
+        if let Err(e) = std::fs::remove_dir_all(&stale) {
+            log::warn!("op=recover path={} error={e}", stale.display());
+        }
+    }
+    loaded
+        .paused
+        .into_iter()
+        .map(|(_, record)| {
+            log::info!("sandboxId={} op=recover result=paused", record.info.id);
+            let id = record.info.id.clone();
+            let entry = SandboxEntry::new(record.info, None);
+            *entry.paused.lock() = record.paused;
+            (id, Arc::new(entry))
+        })
+        .collect()
+}
+
+/// Absent, `null` and `{}` are the same (CE §10.1).
+fn is_empty_params(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_object().is_some_and(|m| m.is_empty())
+}
+
 /// Sets `endAt` to now + `secs`; without `shorten` only a later expiry is taken.
-fn extend_expiry(entry: &SandboxEntry, secs: u64, shorten: bool) {
+pub(crate) fn extend_expiry(entry: &SandboxEntry, secs: u64, shorten: bool) {
     let mut info = entry.info.lock();
     let new_end = SystemTime::now() + Duration::from_secs(secs);
     if shorten || new_end > info.end_at {

@@ -135,7 +135,8 @@ pub fn decide(call: Call, state: SandboxState) -> Decision {
 }
 
 /// The user-visible description of a sandbox.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct SandboxInfo {
     pub id: String,
     /// Normalised image reference for cold starts.
@@ -162,9 +163,22 @@ pub struct SandboxInfo {
 
 /// A lifecycle operation, sent to the sandbox's supervisor thread.
 pub enum Op {
+    /// Tear down: VM killed, stop hook, slot released, files removed.
     Delete {
         reason: crate::hooks::StopReason,
         reply: Sender<()>,
+    },
+    /// Capture in place into `dir`, commit, quit, stop hook, release the slot.
+    Pause {
+        reason: crate::hooks::StopReason,
+        dir: std::path::PathBuf,
+        commit: super::supervisor::PauseCommit,
+        reply: Sender<super::supervisor::PauseOutcome>,
+    },
+    /// Capture in place into `dir` with the disk frozen, then run on.
+    Snapshot {
+        dir: std::path::PathBuf,
+        reply: Sender<Result<crate::vm::CaptureRecord, super::supervisor::PauseOutcome>>,
     },
 }
 
@@ -184,6 +198,8 @@ pub struct SandboxEntry {
     pub lifecycle: Mutex<()>,
     /// Present while a VM runs.
     pub runtime: Mutex<Option<RuntimeHandle>>,
+    /// The committed capture while paused.
+    pub paused: Mutex<Option<crate::vm::CaptureRecord>>,
     pub running_commands: AtomicU32,
     /// patch-params calls in flight; pause, delete and snapshot wait for them (CE §6.4).
     patches: Mutex<u32>,
@@ -196,6 +212,7 @@ impl SandboxEntry {
             info: Mutex::new(info),
             lifecycle: Mutex::new(()),
             runtime: Mutex::new(runtime),
+            paused: Mutex::new(None),
             running_commands: AtomicU32::new(0),
             patches: Mutex::new(0),
             patches_done: Condvar::new(),

@@ -1,40 +1,68 @@
-//! One supervisor thread per sandbox: it spawns the sandbox's QEMU process (so that
-//! PR_SET_PDEATHSIG ties the VM to this thread), owns it and the network slot, handles
-//! lifecycle [`Op`]s in order, and tears everything down on delete or when the VM dies.
+//! One supervisor thread per running sandbox: it spawns the sandbox's QEMU process (so
+//! that PR_SET_PDEATHSIG ties the VM to this thread), owns it and the network slot,
+//! handles lifecycle [`Op`]s in order, and tears everything down on delete, pause or when
+//! the VM dies.
 
-use super::sandbox::{Op, RuntimeHandle, SandboxEntry, SandboxInfo, SandboxState};
-use super::{ColdStart, OrchError, Shared};
+use super::sandbox::Op;
+use super::{OrchError, Shared};
 use crate::agent::AgentClient;
-use crate::hooks::{HookError, Instance, StartContext, StopReason};
+use crate::hooks::{Instance, StopReason};
 use crate::net::Slot;
-use crate::vm::{self, Vm, VmSpec};
+use crate::vm::{self, CaptureRecord, DiskCapture, RestoreSpec, Vm, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 /// How often an idle supervisor checks that its VM is still alive.
 const VM_WATCH_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a supervisor may take to launch before its creator gives up on it.
+const LAUNCH_REPLY_SLACK: Duration = Duration::from_secs(60);
 
-/// A per-sandbox directory (disk overlay, sockets, console log) removed on drop unless
-/// kept: a failed create leaves nothing behind.
+/// A per-sandbox directory (disk layers, sockets, console log, record). Removed on drop
+/// while armed: a failed create leaves nothing behind, a failed resume keeps the paused
+/// sandbox's files.
 pub(crate) struct RunDir {
     path: PathBuf,
+    remove_on_drop: bool,
 }
 
 impl RunDir {
-    fn create(path: PathBuf) -> Result<RunDir, OrchError> {
+    /// A new directory, removed on drop until [`RunDir::keep`].
+    pub fn create(path: PathBuf) -> Result<RunDir, OrchError> {
         crate::store::ensure_private_dir(&path).map_err(|e| OrchError::Internal(e.to_string()))?;
-        Ok(RunDir { path })
+        Ok(RunDir {
+            path,
+            remove_on_drop: true,
+        })
     }
 
-    fn path(&self) -> &Path {
+    /// An existing directory (a paused sandbox's), not removed on drop until armed.
+    pub fn existing(path: PathBuf) -> RunDir {
+        RunDir {
+            path,
+            remove_on_drop: false,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    pub fn keep(&mut self) {
+        self.remove_on_drop = false;
+    }
+
+    pub fn arm(&mut self) {
+        self.remove_on_drop = true;
     }
 }
 
 impl Drop for RunDir {
     fn drop(&mut self) {
+        if !self.remove_on_drop {
+            return;
+        }
         if let Err(e) = std::fs::remove_dir_all(&self.path) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 log::warn!("op=cleanup path={} error={e}", self.path.display());
@@ -43,15 +71,68 @@ impl Drop for RunDir {
     }
 }
 
-/// What a supervisor needs to boot its sandbox.
-struct BootPlan {
-    id: String,
-    run_dir: RunDir,
-    slot: Slot,
-    instance: Instance,
-    kernel_args: Vec<String>,
-    cpu_count: u32,
-    memory_mb: u32,
+/// How a sandbox's VM comes to life.
+pub(crate) enum Launch {
+    /// A fresh boot with these extra kernel arguments.
+    Cold { kernel_args: Vec<String> },
+    /// A restore of `record` onto the writable top layer `disk`.
+    Restore {
+        record: Box<CaptureRecord>,
+        disk: PathBuf,
+    },
+}
+
+/// Everything a supervisor needs to start a sandbox's VM. The start hook was sent already
+/// (`instance`); every failure path owes it a stop.
+pub(crate) struct StartPlan {
+    pub id: String,
+    pub run_dir: RunDir,
+    pub slot: Slot,
+    pub instance: Instance,
+    pub launch: Launch,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+}
+
+/// The outcome of an in-place pause.
+pub(crate) enum PauseOutcome {
+    /// Captured, committed, stopped, slot released: the supervisor has exited.
+    Paused,
+    /// The capture failed but the VM runs on in place.
+    RanOn(OrchError),
+    /// The VM could not run on: it was torn down (stop hook, slot released, files
+    /// removed). The sandbox must be removed.
+    Gone(OrchError),
+}
+
+/// Commits a pause durably (the paused record) before the stop hook is sent.
+pub(crate) type PauseCommit = Box<dyn FnOnce(&CaptureRecord) -> Result<(), OrchError> + Send>;
+
+/// Starts the supervisor thread and waits until the guest agent answers. Returns the
+/// channel to the supervisor and the agent client.
+pub(crate) fn start(
+    shared: &Arc<Shared>,
+    plan: StartPlan,
+) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
+    let id = plan.id.clone();
+    let (launch_tx, launch_rx) = crossbeam_channel::bounded(1);
+    let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
+    let thread_shared = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("sbx-{}", &id[id.len().saturating_sub(8)..]))
+        .spawn(move || supervise(thread_shared, plan, launch_tx, ops_rx));
+    if let Err(e) = spawned {
+        // The plan (slot, instance, dir) was moved into the closure and dropped with it:
+        // the slot is destroyed and the dir removed, but the stop is owed by hand.
+        return Err(OrchError::Internal(format!(
+            "cannot start supervisor thread: {e}"
+        )));
+    }
+    let wait = Duration::from_secs(shared.config.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;
+    let agent = launch_rx.recv_timeout(wait).map_err(|_| {
+        OrchError::Internal("sandbox supervisor did not report its launch".into())
+    })??;
+    Ok((ops_tx, agent))
 }
 
 /// The running resources a supervisor owns, and the instance the extension knows.
@@ -59,12 +140,13 @@ struct Runtime {
     vm: Vm,
     slot: Option<Slot>,
     instance: Option<Instance>,
-    _run_dir: RunDir,
+    run_dir: RunDir,
 }
 
 impl Runtime {
     /// CE §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
-    /// while the namespace still exists, then the slot is released and the files removed.
+    /// while the namespace still exists, then the slot is released and (when armed) the
+    /// files are removed.
     fn teardown(mut self, shared: &Shared, reason: StopReason) {
         self.vm.kill();
         if let Some(instance) = self.instance.take() {
@@ -76,147 +158,37 @@ impl Runtime {
     }
 }
 
-pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<SandboxInfo, OrchError> {
-    let started = Instant::now();
-    let image = shared.images.prepare_rootfs(&req.image, req.disk_size_mb)?;
-    let image_ms = started.elapsed().as_millis();
-    let id = crate::util::new_id();
-    let run_dir = RunDir::create(shared.sandboxes_dir().join(&id))?;
-    vm::create_overlay(
-        &image.base_disk,
-        &run_dir.path().join("disk.qcow2"),
-        req.disk_size_mb,
-    )
-    .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let internet_access =
-        shared.config.network.outbound && req.allow_internet_access != Some(false);
-    let mut slot = shared.slots.acquire()?;
-    if shared.config.network.outbound && !internet_access {
-        slot.deny_outbound()?;
-    }
-    let host_ip = slot.host_ip();
-    let netns_path = slot.netns_path().to_path_buf();
-
-    // CE §5.2 step 4: journal + start-fresh once the slot is ready, before the VM starts.
-    let mut kernel_args = guest_kernel_args(shared);
-    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let context = StartContext {
-        sandbox_id: id.clone(),
-        netns_path: netns_path.clone(),
-        host_ip,
-        slot_index: slot.index(),
-        params: req.custom_extension_params.clone(),
-    };
-    let (instance, started_hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
-    match started_hook {
-        Ok(Some(extra)) => kernel_args.push(extra),
-        Ok(None) => {}
-        Err(e) => {
-            // Rollback before the answer (CE §7.3): stop for the attempt, then the slot.
-            shared.hooks.stop(instance, StopReason::StartFailed);
-            shared.slots.release(slot);
-            return Err(hook_error(e));
-        }
-    }
-    let plan = BootPlan {
-        id: id.clone(),
-        run_dir,
-        slot,
-        instance,
-        kernel_args,
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-    };
-
-    let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
-    let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
-    let thread_shared = shared.clone();
-    std::thread::Builder::new()
-        .name(format!("sbx-{}", &id[id.len() - 8..]))
-        .spawn(move || supervise(thread_shared, plan, boot_tx, ops_rx))
-        .map_err(|e| OrchError::Internal(format!("cannot start supervisor thread: {e}")))?;
-
-    let agent = boot_rx
-        .recv()
-        .map_err(|_| OrchError::Internal("sandbox supervisor exited during boot".into()))??;
-
-    let now = SystemTime::now();
-    let info = SandboxInfo {
-        id: id.clone(),
-        template_id: image.reference.clone(),
-        alias: None,
-        started_at: now,
-        end_at: now + Duration::from_secs(req.timeout_secs),
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
-        metadata: req.metadata,
-        env_vars: req.env_vars,
-        image_env: image.env.clone(),
-        auto_pause: req.auto_pause,
-        internet_access,
-        timeout_secs: req.timeout_secs,
-        custom_extension_params: req.custom_extension_params,
-        state: SandboxState::Running,
-        host_ip,
-        netns_path,
-    };
-    let entry = Arc::new(SandboxEntry::new(
-        info.clone(),
-        Some(RuntimeHandle { ops: ops_tx, agent }),
-    ));
-    shared.sandboxes.write().insert(id.clone(), entry);
-    log::info!(
-        "sandboxId={id} op=create_cold result=ok image={} hostIp={host_ip} imageMs={image_ms} totalMs={}",
-        image.reference,
-        started.elapsed().as_millis()
-    );
-    Ok(info)
-}
-
-/// A failed start or patch hook: 502 with the CE §7.5 message; a disabled extension: 400.
-pub(crate) fn hook_error(e: HookError) -> OrchError {
-    match e {
-        HookError::Disabled => OrchError::BadRequest(e.to_string()),
-        HookError::Failed { .. } => OrchError::Upstream(e.to_string()),
-        HookError::Journal(_) => OrchError::Internal(e.to_string()),
-    }
-}
-
 fn supervise(
     shared: Arc<Shared>,
-    plan: BootPlan,
-    boot_reply: Sender<Result<Arc<AgentClient>, OrchError>>,
+    plan: StartPlan,
+    launch_reply: Sender<Result<Arc<AgentClient>, OrchError>>,
     ops: Receiver<Op>,
 ) {
     let id = plan.id.clone();
-    let runtime = match boot(&shared, plan) {
+    match launch(&shared, plan) {
         Ok((runtime, agent)) => {
-            if boot_reply.send(Ok(agent)).is_err() {
+            if launch_reply.send(Ok(agent)).is_err() {
                 runtime.teardown(&shared, StopReason::StartFailed);
                 return;
             }
-            runtime
+            run(&shared, &id, runtime, ops);
         }
         Err(e) => {
-            let _ = boot_reply.send(Err(e));
-            return;
+            let _ = launch_reply.send(Err(e));
         }
-    };
-    run(&shared, &id, runtime, ops);
+    }
 }
 
-/// Boots the VM in the slot and waits for the guest agent. Every failure path tears down
-/// what was made so far: VM killed and reaped, stop hook for the instance, slot released,
-/// run dir removed.
-fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
-    let BootPlan {
+/// Boots or restores the VM in the slot and waits for the guest agent. Every failure path
+/// tears down what was made: VM killed and reaped, stop hook for the instance, slot
+/// released, run dir removed when armed.
+fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
+    let StartPlan {
         id,
         run_dir,
         slot,
         instance,
-        kernel_args,
+        launch,
         cpu_count,
         memory_mb,
     } = plan;
@@ -229,21 +201,39 @@ fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), 
         Ok(f) => f,
         Err(e) => return Err(fail(slot, instance, &e)),
     };
-    let assets = &shared.config.vm.assets_dir;
-    let spec = VmSpec {
-        run_dir: run_dir.path().to_path_buf(),
-        kernel: vm::guest_kernel(assets),
-        initramfs: assets.join("initramfs.img"),
-        kernel_args,
-        cpu_count,
-        memory_mb,
-        disk: run_dir.path().join("disk.qcow2"),
-        netns: Some(netns),
-        tap: Some(crate::net::TAP_NAME.into()),
-        accel: shared.accel,
-        qemu_binary: shared.config.vm.qemu_binary.clone(),
+    let tap = Some(crate::net::TAP_NAME.to_string());
+    let qemu_binary = shared.config.vm.qemu_binary.clone();
+    let restored = matches!(launch, Launch::Restore { .. });
+    let spawned = match launch {
+        Launch::Cold { kernel_args } => {
+            let assets = &shared.config.vm.assets_dir;
+            Vm::spawn(VmSpec {
+                run_dir: run_dir.path().to_path_buf(),
+                kernel: vm::guest_kernel(assets),
+                initramfs: assets.join("initramfs.img"),
+                kernel_args,
+                cpu_count,
+                memory_mb,
+                disk: run_dir.path().join("disk.qcow2"),
+                netns: Some(netns),
+                tap,
+                accel: shared.accel,
+                qemu_binary,
+            })
+        }
+        Launch::Restore { record, disk } => {
+            let spec = RestoreSpec {
+                run_dir: run_dir.path().to_path_buf(),
+                disk,
+                netns: Some(netns),
+                tap,
+                accel: shared.accel,
+                qemu_binary,
+            };
+            Vm::restore(&record, spec).and_then(|(mut vm, _)| vm.resume_vcpus().map(|()| vm))
+        }
     };
-    let vm = match Vm::spawn(spec) {
+    let vm = match spawned {
         Ok(vm) => vm,
         Err(e) => return Err(fail(slot, instance, &e)),
     };
@@ -251,10 +241,19 @@ fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), 
         vm,
         slot: Some(slot),
         instance: Some(instance),
-        _run_dir: run_dir,
+        run_dir,
     };
     let timeout = Duration::from_secs(shared.config.vm.ready_timeout_secs);
-    match AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout) {
+    let ready = AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout).and_then(
+        |agent| {
+            // A restored guest's clock stopped while it was saved (issue: guest clock).
+            if restored {
+                vm::sync_guest_clock(&agent)?;
+            }
+            Ok(agent)
+        },
+    );
+    match ready {
         Ok(agent) => Ok((runtime, Arc::new(agent))),
         Err(e) => {
             let tail = runtime.vm.console_tail(20);
@@ -262,7 +261,9 @@ fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), 
                 Some(status) => format!("the VM exited during boot ({status})"),
                 None => format!("no answer within {}s: {e}", timeout.as_secs()),
             };
-            log::error!("sandboxId={id} op=boot result=error error=\"{e}\" console_tail=\n{tail}");
+            log::error!(
+                "sandboxId={id} op=launch result=error error=\"{e}\" console_tail=\n{tail}"
+            );
             runtime.teardown(shared, StopReason::StartFailed);
             Err(OrchError::Internal(format!(
                 "guest agent did not become ready: {cause}; the console log's last lines are in the server log"
@@ -271,44 +272,142 @@ fn boot(shared: &Shared, plan: BootPlan) -> Result<(Runtime, Arc<AgentClient>), 
     }
 }
 
-/// Kernel arguments agentenv adds after the VM module's own.
-fn guest_kernel_args(shared: &Shared) -> Vec<String> {
-    let mut args = vec![format!("agentenv.port={}", shared.config.agent.port)];
-    if shared.config.network.outbound {
-        if let Some(dns) = crate::net::guest_dns(&shared.config.network) {
-            args.push(format!("agentenv.dns={dns}"));
-        }
-    }
-    args
-}
-
 /// The supervisor's loop: lifecycle operations in order, and a watch on the VM.
 fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
     loop {
         match ops.recv_timeout(VM_WATCH_INTERVAL) {
             Ok(Op::Delete { reason, reply }) => {
+                runtime.run_dir.arm();
                 runtime.teardown(shared, reason);
                 let _ = reply.send(());
                 return;
             }
+            Ok(Op::Pause {
+                reason,
+                dir,
+                commit,
+                reply,
+            }) => match pause(shared, id, runtime, reason, &dir, commit) {
+                (Some(rt), outcome) => {
+                    runtime = rt;
+                    let _ = reply.send(outcome);
+                }
+                (None, outcome) => {
+                    let _ = reply.send(outcome);
+                    return;
+                }
+            },
+            Ok(Op::Snapshot { dir, reply }) => match snapshot(id, &mut runtime, &dir) {
+                Ok(record) => {
+                    let _ = reply.send(Ok(record));
+                }
+                Err(PauseOutcome::RanOn(e)) => {
+                    let _ = reply.send(Err(PauseOutcome::RanOn(e)));
+                }
+                Err(gone) => {
+                    runtime.run_dir.arm();
+                    runtime.teardown(shared, StopReason::Failure);
+                    let _ = reply.send(Err(gone));
+                    return;
+                }
+            },
             Err(RecvTimeoutError::Timeout) => {
                 if let Some(status) = runtime.vm.try_wait() {
                     log::error!(
                         "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
                         runtime.vm.console_tail(20)
                     );
-                    if let Ok(entry) = shared.entry(id) {
-                        entry.runtime.lock().take();
-                    }
-                    shared.unregister(id);
+                    shared.forget_dead(id);
+                    runtime.run_dir.arm();
                     runtime.teardown(shared, StopReason::Failure);
                     return;
                 }
             }
             Err(RecvTimeoutError::Disconnected) => {
+                runtime.run_dir.arm();
                 runtime.teardown(shared, StopReason::Failure);
                 return;
             }
         }
+    }
+}
+
+/// CE §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
+/// slot released. Returns the runtime when the VM runs on.
+fn pause(
+    shared: &Shared,
+    id: &str,
+    mut runtime: Runtime,
+    reason: StopReason,
+    dir: &Path,
+    commit: PauseCommit,
+) -> (Option<Runtime>, PauseOutcome) {
+    match runtime.vm.pause(dir) {
+        Ok((record, stats)) => {
+            log::info!(
+                "sandboxId={id} op=pause frozenMs={} totalMs={} stateBytes={}",
+                stats.frozen_ms,
+                stats.total_ms,
+                stats.state_bytes
+            );
+            match commit(&record) {
+                Ok(()) => {
+                    runtime.run_dir.keep();
+                    runtime.teardown(shared, reason);
+                    (None, PauseOutcome::Paused)
+                }
+                Err(e) => {
+                    runtime.run_dir.arm();
+                    runtime.teardown(shared, StopReason::Failure);
+                    (None, PauseOutcome::Gone(e))
+                }
+            }
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(dir);
+            let e = OrchError::Internal(format!("pause failed: {e}"));
+            if runtime.vm.try_wait().is_none() && runtime.vm.resume_vcpus().is_ok() {
+                (Some(runtime), PauseOutcome::RanOn(e))
+            } else {
+                runtime.run_dir.arm();
+                runtime.teardown(shared, StopReason::Failure);
+                (None, PauseOutcome::Gone(e))
+            }
+        }
+    }
+}
+
+/// CE §5.7: capture in place with the disk frozen, then run on. The sandbox's disk chain
+/// grows by one layer per capture; it is flattened when it gets deep.
+fn snapshot(id: &str, runtime: &mut Runtime, dir: &Path) -> Result<CaptureRecord, PauseOutcome> {
+    let captured = runtime.vm.capture(dir, DiskCapture::Freeze);
+    let resumed = runtime.vm.resume_vcpus();
+    match (captured, resumed) {
+        (Ok((record, stats)), Ok(())) => {
+            log::info!(
+                "sandboxId={id} op=snapshot frozenMs={} totalMs={}",
+                stats.frozen_ms,
+                stats.total_ms
+            );
+            if runtime
+                .vm
+                .disk_chain_depth()
+                .is_ok_and(|d| d > vm::MAX_CHAIN_LAYERS)
+            {
+                if let Err(e) = runtime.vm.flatten_disk(Duration::from_secs(120)) {
+                    log::warn!("sandboxId={id} op=flatten_disk error=\"{e}\"");
+                }
+            }
+            Ok(record)
+        }
+        (Err(e), Ok(())) => {
+            let _ = std::fs::remove_dir_all(dir);
+            Err(PauseOutcome::RanOn(OrchError::Internal(format!(
+                "snapshot failed: {e}"
+            ))))
+        }
+        (_, Err(e)) => Err(PauseOutcome::Gone(OrchError::Internal(format!(
+            "the VM could not run on after a capture: {e}"
+        )))),
     }
 }

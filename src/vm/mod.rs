@@ -32,7 +32,9 @@ pub use capture::{
     sync_guest_clock, CaptureRecord, CaptureStats, DiskCapture, RestoreSpec, RestoreStats,
 };
 pub use console::tail_lines;
-pub use disk::{create_clone_disk, create_overlay};
+pub use disk::{
+    create_clone_disk, create_layer, create_overlay, disk_chain, next_layer_path, MAX_CHAIN_LAYERS,
+};
 pub use qemu::{guest_kernel, kernel_cmdline, MemoryFile, Vm, VmSpec, GUEST_MAC};
 pub use qmp::Qmp;
 

@@ -1,0 +1,269 @@
+//! Snapshots: captures of running sandboxes that new sandboxes start from (api.md §4.14,
+//! §4.2). Each lives in `<state_dir>/snapshots/<id>/`: its state file, hard links to its
+//! frozen disk layers and `record.json`. Deleting one never breaks sandboxes created from
+//! it: they hold their own links to the layers.
+
+use super::sandbox::SandboxInfo;
+use super::OrchError;
+use crate::util::is_uuid;
+use crate::vm::CaptureRecord;
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+const RECORD_FILE: &str = "record.json";
+
+/// What a snapshot stores (api.md §4.14: params, env, metadata, resources).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub name: Option<String>,
+    pub sandbox_id: String,
+    pub created_at: SystemTime,
+    /// The source sandbox's templateID (image reference or template).
+    pub source_template_id: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub image_env: Vec<(String, String)>,
+    pub params: Value,
+    pub auto_pause: bool,
+    pub internet_access: bool,
+    pub timeout_secs: u64,
+    pub capture: CaptureRecord,
+    #[serde(default)]
+    pub last_spawned_at: Option<SystemTime>,
+    #[serde(default)]
+    pub spawn_count: u64,
+}
+
+impl SnapshotRecord {
+    pub fn new(
+        id: String,
+        name: Option<String>,
+        info: &SandboxInfo,
+        capture: CaptureRecord,
+    ) -> SnapshotRecord {
+        SnapshotRecord {
+            id,
+            name,
+            sandbox_id: info.id.clone(),
+            created_at: SystemTime::now(),
+            source_template_id: info.template_id.clone(),
+            cpu_count: info.cpu_count,
+            memory_mb: info.memory_mb,
+            disk_size_mb: info.disk_size_mb,
+            metadata: info.metadata.clone(),
+            env_vars: info.env_vars.clone(),
+            image_env: info.image_env.clone(),
+            params: info.custom_extension_params.clone(),
+            auto_pause: info.auto_pause,
+            internet_access: info.internet_access,
+            timeout_secs: info.timeout_secs,
+            capture,
+            last_spawned_at: None,
+            spawn_count: 0,
+        }
+    }
+}
+
+/// The snapshot registry, with names claimed before a capture so two captures never
+/// take one name.
+pub(crate) struct Snapshots {
+    dir: PathBuf,
+    by_id: RwLock<BTreeMap<String, SnapshotRecord>>,
+    /// name → id, including names claimed by captures in progress.
+    names: Mutex<HashMap<String, String>>,
+}
+
+/// A claimed name, released on drop unless its snapshot was inserted.
+pub(crate) struct NameClaim<'a> {
+    snapshots: &'a Snapshots,
+    name: Option<String>,
+    id: String,
+}
+
+impl Drop for NameClaim<'_> {
+    fn drop(&mut self) {
+        if let Some(name) = &self.name {
+            if !self.snapshots.by_id.read().contains_key(&self.id) {
+                self.snapshots.names.lock().remove(name);
+            }
+        }
+    }
+}
+
+/// api.md §1.5: `[A-Za-z0-9_-]{1,128}`, not shaped like a UUID.
+pub fn valid_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        && !is_uuid(name)
+}
+
+impl Snapshots {
+    /// Loads every complete snapshot under `dir`; leftovers of interrupted captures (no
+    /// record) are removed.
+    pub fn load(dir: PathBuf) -> Snapshots {
+        let mut by_id = BTreeMap::new();
+        let mut names = HashMap::new();
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let record = std::fs::read(path.join(RECORD_FILE))
+                    .ok()
+                    .and_then(|t| serde_json::from_slice::<SnapshotRecord>(&t).ok())
+                    .filter(|r| r.capture.state_file.is_file());
+                match record {
+                    Some(r) => {
+                        if let Some(n) = &r.name {
+                            names.insert(n.clone(), r.id.clone());
+                        }
+                        by_id.insert(r.id.clone(), r);
+                    }
+                    None => {
+                        log::info!("op=recover snapshot_dir={} result=removed", path.display());
+                        let _ = std::fs::remove_dir_all(&path);
+                    }
+                }
+            }
+        }
+        Snapshots {
+            dir,
+            by_id: RwLock::new(by_id),
+            names: Mutex::new(names),
+        }
+    }
+
+    pub fn dir(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    /// Claims `name` for snapshot `id`: 409 when a snapshot or template has it.
+    pub fn claim_name(&self, name: Option<&str>, id: &str) -> Result<NameClaim<'_>, OrchError> {
+        if let Some(n) = name {
+            if !valid_name(n) {
+                return Err(OrchError::BadRequest(format!(
+                    "name {n:?} must match [A-Za-z0-9_-]{{1,128}} and must not look like a UUID"
+                )));
+            }
+            let mut names = self.names.lock();
+            if names.contains_key(n) {
+                return Err(OrchError::Conflict(format!("name {n} is already used")));
+            }
+            names.insert(n.to_string(), id.to_string());
+        }
+        Ok(NameClaim {
+            snapshots: self,
+            name: name.map(str::to_string),
+            id: id.to_string(),
+        })
+    }
+
+    /// Stores the record durably, then makes the snapshot visible.
+    pub fn insert(&self, record: SnapshotRecord) -> Result<(), OrchError> {
+        self.save(&record)?;
+        self.by_id.write().insert(record.id.clone(), record);
+        Ok(())
+    }
+
+    fn save(&self, record: &SnapshotRecord) -> Result<(), OrchError> {
+        let bytes = serde_json::to_vec_pretty(record)
+            .map_err(|e| OrchError::Internal(format!("cannot encode snapshot record: {e}")))?;
+        crate::store::write_atomic(&self.dir(&record.id).join(RECORD_FILE), &bytes, 0o600)
+            .map_err(|e| OrchError::Internal(e.to_string()))
+    }
+
+    /// By id when it has the form of a UUID, else by name (api.md §1.5).
+    pub fn lookup(&self, id_or_name: &str) -> Option<SnapshotRecord> {
+        let id = if is_uuid(id_or_name) {
+            id_or_name.to_string()
+        } else {
+            self.names.lock().get(id_or_name)?.clone()
+        };
+        self.by_id.read().get(&id).cloned()
+    }
+
+    pub fn list(&self) -> Vec<SnapshotRecord> {
+        self.by_id.read().values().cloned().collect()
+    }
+
+    /// Notes a sandbox created from the snapshot.
+    pub fn note_spawn(&self, id: &str) {
+        let updated = {
+            let mut map = self.by_id.write();
+            map.get_mut(id).map(|r| {
+                r.spawn_count += 1;
+                r.last_spawned_at = Some(SystemTime::now());
+                r.clone()
+            })
+        };
+        if let Some(r) = updated {
+            if let Err(e) = self.save(&r) {
+                log::warn!("snapshotId={id} op=note_spawn error=\"{e}\"");
+            }
+        }
+    }
+
+    /// Deletes a snapshot; `false` when unknown.
+    pub fn delete(&self, id_or_name: &str) -> bool {
+        let Some(record) = self.lookup(id_or_name) else {
+            return false;
+        };
+        self.by_id.write().remove(&record.id);
+        if let Some(n) = &record.name {
+            self.names.lock().remove(n);
+        }
+        remove_dir(&self.dir(&record.id));
+        true
+    }
+}
+
+fn remove_dir(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            log::warn!("op=cleanup path={} error={e}", dir.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(valid_name("my-snap_1"));
+        assert!(!valid_name(""));
+        assert!(!valid_name("a b"));
+        assert!(!valid_name(&"x".repeat(129)));
+        assert!(!valid_name("01936f1e-8a2b-7c3d-9e4f-0a1b2c3d4e5f"));
+    }
+
+    #[test]
+    fn claims_conflict_and_release() {
+        let dir = std::env::temp_dir().join(format!("aenv-snaps-{}", crate::util::new_id()));
+        let s = Snapshots::load(dir.clone());
+        {
+            let _c = s.claim_name(Some("n1"), "a").unwrap();
+            assert!(matches!(
+                s.claim_name(Some("n1"), "b"),
+                Err(OrchError::Conflict(_))
+            ));
+        }
+        // Released: the capture never inserted its snapshot.
+        assert!(s.claim_name(Some("n1"), "c").is_ok());
+        assert!(matches!(
+            s.claim_name(Some("bad name"), "d"),
+            Err(OrchError::BadRequest(_))
+        ));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
