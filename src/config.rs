@@ -54,6 +54,15 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub api: ApiConfig,
     pub custom_extension: CustomExtensionConfig,
+    pub templates: TemplatesConfig,
+}
+
+/// `[templates]`: builds of templates from images (api.md §4.15).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplatesConfig {
+    pub max_concurrent_builds: u32,
+    pub start_cmd_timeout_secs: u64,
 }
 
 /// `[custom_extension]` (custom-extension.md §1). `url` unset, empty or whitespace-only
@@ -514,6 +523,18 @@ impl Config {
             return invalid("vm.ready_timeout_secs", "must be at least 1".into());
         }
         self.custom_extension.validate()?;
+        if self.templates.max_concurrent_builds == 0 {
+            return invalid(
+                "templates.max_concurrent_builds",
+                "must be at least 1".into(),
+            );
+        }
+        if !(1..=86_400).contains(&self.templates.start_cmd_timeout_secs) {
+            return invalid(
+                "templates.start_cmd_timeout_secs",
+                "must be within 1..=86400".into(),
+            );
+        }
         if self.agent.max_concurrent_commands == 0 {
             return invalid("agent.max_concurrent_commands", "must be at least 1".into());
         }

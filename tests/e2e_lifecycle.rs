@@ -290,6 +290,8 @@ fn lifecycle_end_to_end() {
     assert_eq!(code, 201);
     assert_eq!(sh(&s, &inherit, "cat /root/d"), "disk\n");
 
+    templates_from_images(&s, &ext);
+
     for id in [&parent, &inherit, &over, &kids[0]] {
         assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
     }
@@ -298,4 +300,96 @@ fn lifecycle_end_to_end() {
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
     assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+}
+
+/// `POST /templates`: a build boots the image (start-fresh with `{}`), runs startCmd,
+/// captures and stops (reason template-build); sandboxes start from it by name. A failing
+/// startCmd ends in `error` with the exit code and stderr.
+fn templates_from_images(s: &Server, ext: &Extension) {
+    let fresh_before = ext.requests_for("start-fresh").len();
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(json!({
+            "name": "built", "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+            "diskSizeMB": 1024, "envVars": {"WHO": "template"},
+            "startCmd": "echo $WHO > /root/built; sleep 1000 >/dev/null 2>&1 &"
+        })),
+    );
+    assert_eq!(code, 202, "{t}");
+    assert!(
+        ["waiting", "building"].contains(&t["buildStatus"].as_str().unwrap()),
+        "{t}"
+    );
+    let (code, _) = s.call(
+        "POST",
+        "/templates",
+        Some(json!({"name": "built", "image": base_image()})),
+    );
+    assert_eq!(code, 409, "names are unique");
+    let (code, bad) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            json!({"name": "broken", "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+                    "diskSizeMB": 1024, "startCmd": "echo oops >&2; exit 3"}),
+        ),
+    );
+    assert_eq!(code, 202, "{bad}");
+    let status = |name: &str| s.call("GET", &format!("/templates/{name}"), None).1;
+    assert!(
+        wait_until(Duration::from_secs(90), || status("built")["buildStatus"]
+            == "ready"
+            && status("broken")["buildStatus"] == "error"),
+        "{} {}",
+        status("built"),
+        status("broken")
+    );
+    let reason = status("broken")["reason"].as_str().unwrap().to_string();
+    assert!(
+        reason.contains("code 3") && reason.contains("oops"),
+        "{reason}"
+    );
+    let fresh = ext.requests_for("start-fresh");
+    assert_eq!(fresh.len(), fresh_before + 2);
+    for r in &fresh[fresh_before..] {
+        assert_eq!(r.body["customExtensionParams"], json!({}));
+        let stop = ext
+            .requests_for("stop")
+            .into_iter()
+            .find(|st| st.instance_id() == r.instance_id())
+            .expect("the build sandbox was stopped");
+        assert_eq!(
+            stop.header("X-Agentenv-Stop-Reason"),
+            Some("template-build")
+        );
+    }
+    let (_, list) = s.call("GET", "/templates", None);
+    assert_eq!(list.as_array().unwrap().len(), 2, "{list}");
+    assert_eq!(
+        s.call("GET", "/snapshots/built", None).0,
+        404,
+        "a build is not a snapshot"
+    );
+    let id = id_of(
+        &s.call(
+            "POST",
+            "/sandboxes",
+            Some(json!({"templateID": "built", "timeout": 60})),
+        )
+        .1,
+    );
+    assert_eq!(
+        sh(
+            s,
+            &id,
+            "cat /root/built; pidof sleep >/dev/null && echo running"
+        ),
+        "template\nrunning\n"
+    );
+    assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    for name in ["built", "broken"] {
+        assert_eq!(s.call("DELETE", &format!("/templates/{name}"), None).0, 204);
+        assert_eq!(s.call("GET", &format!("/templates/{name}"), None).0, 404);
+    }
 }

@@ -1,6 +1,6 @@
 //! Response bodies (api.md §3). Field names marked [E2B] in the spec are read by E2B SDKs.
 
-use crate::orchestrator::{SandboxInfo, SnapshotRecord};
+use crate::orchestrator::{SandboxInfo, SnapshotRecord, TemplateBuild};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
 
@@ -66,28 +66,55 @@ pub fn snapshot_info(r: &SnapshotRecord) -> Value {
     })
 }
 
-/// `Template` (§3.4) for a snapshot viewed as a template.
-pub fn template(r: &SnapshotRecord, envd_version: &str) -> Value {
-    let names = match &r.name {
-        Some(n) => vec![n.clone()],
-        None => vec![r.id.clone()],
+/// `Template` (§3.4): a template build, a snapshot viewed as a template, or both.
+pub fn template(
+    build: Option<&TemplateBuild>,
+    snapshot: Option<&SnapshotRecord>,
+    envd_version: &str,
+) -> Value {
+    let (id, name) = match (build, snapshot) {
+        (Some(b), _) => (b.id.clone(), Some(b.name.clone())),
+        (None, Some(s)) => (s.id.clone(), s.name.clone()),
+        (None, None) => return json!({}),
     };
-    json!({
-        "templateID": r.id,
-        "buildID": r.id,
+    let names = vec![name.unwrap_or_else(|| id.clone())];
+    let (cpu, mem, disk) = match (build, snapshot) {
+        (Some(b), _) => (b.cpu_count, b.memory_mb, b.disk_size_mb),
+        (None, Some(s)) => (s.cpu_count, s.memory_mb, s.disk_size_mb),
+        (None, None) => unreachable!(),
+    };
+    let created = build
+        .map(|b| b.created_at)
+        .or(snapshot.map(|s| s.created_at))
+        .expect("one of them");
+    let updated = build.map(|b| b.updated_at).unwrap_or(created);
+    let status = build.map(|b| b.status.as_str()).unwrap_or("ready");
+    let mut v = json!({
+        "templateID": id,
+        "buildID": id,
         "names": names,
         "aliases": names,
-        "cpuCount": r.cpu_count,
-        "memoryMB": r.memory_mb,
-        "diskSizeMB": r.disk_size_mb,
+        "cpuCount": cpu,
+        "memoryMB": mem,
+        "diskSizeMB": disk,
         "public": true,
         "createdBy": null,
-        "createdAt": rfc3339(r.created_at),
-        "updatedAt": rfc3339(r.created_at),
-        "lastSpawnedAt": r.last_spawned_at.map(rfc3339),
-        "spawnCount": r.spawn_count,
+        "createdAt": rfc3339(created),
+        "updatedAt": rfc3339(updated),
+        "lastSpawnedAt": snapshot.and_then(|s| s.last_spawned_at).map(rfc3339),
+        "spawnCount": snapshot.map(|s| s.spawn_count).unwrap_or(0),
         "buildCount": 1,
         "envdVersion": envd_version,
-        "buildStatus": "ready",
-    })
+        "buildStatus": status,
+    });
+    if let Some(b) = build {
+        v["image"] = json!(b.image);
+        if let Some(cmd) = &b.start_cmd {
+            v["startCmd"] = json!(cmd);
+        }
+        if let Some(reason) = &b.reason {
+            v["reason"] = json!(reason);
+        }
+    }
+    v
 }

@@ -2,7 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::{models, query, ApiError, Context, Reply};
-use crate::orchestrator::{ColdStart, CommandRequest, FromSnapshot, SandboxInfo};
+use crate::orchestrator::{ColdStart, CommandRequest, FromSnapshot, SandboxInfo, TemplateRequest};
 use crate::util::is_uuid;
 use serde_json::{json, Value};
 use std::io::Read;
@@ -36,13 +36,8 @@ pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         (["snapshots"], _) => allow(&["GET"]),
         (["snapshots", name], Method::Get) => get_snapshot(ctx, name),
         (["snapshots", _], _) => allow(&["GET"]),
-        // Template builds from images (POST /templates) are not built yet; snapshots can
-        // be read and deleted as templates.
-        (["templates"], Method::Get) => Ok(Reply::json(200, json!([]))),
-        (["templates"], Method::Post) => Err(ApiError::new(
-            501,
-            "template builds from images are not implemented yet; create a snapshot with POST /sandboxes/{id}/snapshots and use its name as templateID",
-        )),
+        (["templates"], Method::Get) => list_templates(ctx),
+        (["templates"], Method::Post) => create_template(ctx, req),
         (["templates"], _) => allow(&["GET", "POST"]),
         (["templates", name], Method::Get) => get_template(ctx, name),
         (["templates", name], Method::Delete) => delete_template(ctx, name),
@@ -231,17 +226,12 @@ fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiEr
     Ok(created(ctx, &info, 201))
 }
 
-fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
-    let f = body(ctx, req)?;
+/// `cpuCount`, `memoryMB` and `diskSizeMB` of a boot from an image (api.md §4.3).
+fn resources(ctx: &Context, f: &Fields) -> Result<(u32, u32, u32), ApiError> {
     let cfg = ctx.orchestrator.config();
-    let image = f.required_str("image")?.trim().to_string();
-    if image.is_empty() {
-        return Err(ApiError::bad_request("image must not be empty"));
-    }
     let host = ctx.orchestrator.host_limits();
-    let cpus = host.cpus as u64;
     let cpu_count = f
-        .int_in("cpuCount", 1..=cpus)?
+        .int_in("cpuCount", 1..=host.cpus as u64)?
         .unwrap_or(cfg.vm.default_cpu_count as u64) as u32;
     let memory_mb = f
         .int_in("memoryMB", 128..=host.memory_mb.max(128))?
@@ -254,6 +244,17 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
             "diskSizeMB must be at least 1024 and a multiple of 1024",
         ));
     }
+    Ok((cpu_count, memory_mb, disk_size_mb as u32))
+}
+
+fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let cfg = ctx.orchestrator.config();
+    let image = f.required_str("image")?.trim().to_string();
+    if image.is_empty() {
+        return Err(ApiError::bad_request("image must not be empty"));
+    }
+    let (cpu_count, memory_mb, disk_size_mb) = resources(ctx, &f)?;
     let timeout_secs = f
         .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
         .unwrap_or(cfg.sandbox.default_timeout_secs);
@@ -268,7 +269,7 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         image,
         cpu_count,
         memory_mb,
-        disk_size_mb: disk_size_mb as u32,
+        disk_size_mb,
         timeout_secs,
         auto_pause,
         metadata,
@@ -525,15 +526,54 @@ fn get_snapshot(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
 }
 
 fn get_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
-    let record = ctx
+    let (build, snapshot) = ctx
         .orchestrator
-        .find_snapshot(id_or_name)
+        .find_template(id_or_name)
         .ok_or_else(|| ApiError::not_found(format!("template {id_or_name} not found")))?;
-    Ok(Reply::json(200, models::template(&record, envd(ctx))))
+    Ok(Reply::json(
+        200,
+        models::template(build.as_ref(), snapshot.as_ref(), envd(ctx)),
+    ))
+}
+
+fn list_templates(ctx: &Context) -> Result<Reply, ApiError> {
+    let list = ctx
+        .orchestrator
+        .templates()
+        .iter()
+        .map(|(b, s)| models::template(Some(b), s.as_ref(), envd(ctx)))
+        .collect();
+    Ok(Reply::json(200, Value::Array(list)))
+}
+
+fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let name = f.required_str("name")?.to_string();
+    let image = f.required_str("image")?.trim().to_string();
+    if image.is_empty() {
+        return Err(ApiError::bad_request("image must not be empty"));
+    }
+    let resources = resources(ctx, &f)?;
+    let start_cmd = f.str("startCmd")?.map(str::to_string);
+    let env_vars = f.string_map("envVars")?;
+    check_env("envVars", &env_vars)?;
+    let build = ctx.orchestrator.submit_template(TemplateRequest {
+        name,
+        image,
+        cpu_count: resources.0,
+        memory_mb: resources.1,
+        disk_size_mb: resources.2,
+        start_cmd,
+        env_vars,
+    })?;
+    Ok(Reply::json(
+        202,
+        models::template(Some(&build), None, envd(ctx)),
+    ))
 }
 
 fn delete_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator.delete_snapshot(id_or_name)?;
+    ctx.orchestrator.delete_template(id_or_name)?;
     Ok(Reply::Empty(204))
 }
 

@@ -15,10 +15,12 @@ mod records;
 mod sandbox;
 mod snapshots;
 mod supervisor;
+mod templates;
 
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use snapshots::SnapshotRecord;
+pub use templates::{BuildStatus, TemplateBuild, TemplateRequest};
 
 use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;
@@ -101,6 +103,7 @@ pub(crate) struct Shared {
     pub accel: Accel,
     pub sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
     pub snapshots: snapshots::Snapshots,
+    pub builds: templates::Builds,
     pub operations: OperationCounters,
     pub shutting_down: AtomicBool,
 }
@@ -153,6 +156,7 @@ impl Orchestrator {
         );
         let snapshots = snapshots::Snapshots::load(config.server.state_dir.join("snapshots"));
         let sandboxes = load_sandboxes(&config.server.state_dir.join("sandboxes"));
+        let builds = templates::Builds::load(config.server.state_dir.join("templates"));
         let shared = Arc::new(Shared {
             config,
             slots,
@@ -161,6 +165,7 @@ impl Orchestrator {
             accel,
             sandboxes: RwLock::new(sandboxes),
             snapshots,
+            builds,
             operations: OperationCounters::default(),
             shutting_down: AtomicBool::new(false),
         });
@@ -265,18 +270,75 @@ impl Orchestrator {
         result
     }
 
-    /// Every snapshot captured from a sandbox.
+    /// Every snapshot captured from a sandbox (template builds are not listed).
     pub fn snapshots(&self) -> Vec<SnapshotRecord> {
-        self.shared.snapshots.list()
+        let mut list = self.shared.snapshots.list();
+        list.retain(|r| r.template.is_none());
+        list
     }
 
+    /// A snapshot captured from a sandbox (not a template build).
     pub fn find_snapshot(&self, id_or_name: &str) -> Option<SnapshotRecord> {
-        self.shared.snapshots.lookup(id_or_name)
+        self.shared
+            .snapshots
+            .lookup(id_or_name)
+            .filter(|r| r.template.is_none())
     }
 
-    /// `DELETE /templates/{idOrName}` for snapshots; sandboxes made from it keep working.
-    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<(), OrchError> {
+    /// A template build, or a snapshot viewed as a template.
+    pub fn find_template(
+        &self,
+        id_or_name: &str,
+    ) -> Option<(Option<TemplateBuild>, Option<SnapshotRecord>)> {
+        let snapshot = self.shared.snapshots.lookup(id_or_name);
+        let build = self.shared.builds.find(id_or_name).or_else(|| {
+            snapshot
+                .as_ref()
+                .and_then(|s| self.shared.builds.find(&s.id))
+        });
+        let snapshot = snapshot.or_else(|| {
+            build
+                .as_ref()
+                .and_then(|b| self.shared.snapshots.lookup(&b.id))
+        });
+        (build.is_some() || snapshot.is_some()).then_some((build, snapshot))
+    }
+
+    /// Every template build with its snapshot once ready.
+    pub fn templates(&self) -> Vec<(TemplateBuild, Option<SnapshotRecord>)> {
+        self.shared
+            .builds
+            .list()
+            .into_iter()
+            .map(|b| {
+                let snap = self.shared.snapshots.lookup(&b.id);
+                (b, snap)
+            })
+            .collect()
+    }
+
+    /// `POST /templates`: 202 with the build, which goes on in the background.
+    pub fn submit_template(&self, req: TemplateRequest) -> Result<TemplateBuild, OrchError> {
         self.refuse_when_shutting_down()?;
+        templates::submit(&self.shared, req)
+    }
+
+    /// `DELETE /templates/{idOrName}`: a template or a snapshot; 409 while building.
+    /// Sandboxes made from it keep working.
+    pub fn delete_template(&self, id_or_name: &str) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        if let Some((Some(build), _)) = self.find_template(id_or_name) {
+            if matches!(build.status, BuildStatus::Waiting | BuildStatus::Building) {
+                return Err(OrchError::Conflict(format!(
+                    "template {} is still {}",
+                    build.name,
+                    build.status.as_str()
+                )));
+            }
+            self.shared.snapshots.delete(&build.id);
+            self.shared.builds.remove(&build.id);
+            return Ok(());
+        }
         self.shared.snapshots.delete(id_or_name);
         Ok(())
     }

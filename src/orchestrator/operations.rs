@@ -36,7 +36,7 @@ fn acquire_slot(shared: &Shared, internet_access: bool) -> Result<Slot, OrchErro
     Ok(slot)
 }
 
-fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
+pub(crate) fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
     StartContext {
         sandbox_id: id.to_string(),
         netns_path: slot.netns_path().to_path_buf(),
@@ -47,7 +47,7 @@ fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
 }
 
 /// Kernel arguments agentenv adds after the VM module's own.
-fn guest_kernel_args(shared: &Shared) -> Vec<String> {
+pub(crate) fn guest_kernel_args(shared: &Shared) -> Vec<String> {
     let mut args = vec![format!("agentenv.port={}", shared.config.agent.port)];
     if shared.config.network.outbound {
         if let Some(dns) = crate::net::guest_dns(&shared.config.network) {

@@ -41,6 +41,17 @@ pub struct SnapshotRecord {
     pub last_spawned_at: Option<SystemTime>,
     #[serde(default)]
     pub spawn_count: u64,
+    /// Present for templates built from an image (`POST /templates`).
+    #[serde(default)]
+    pub template: Option<TemplateSource>,
+}
+
+/// What a template was built from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateSource {
+    pub image: String,
+    pub start_cmd: Option<String>,
 }
 
 impl SnapshotRecord {
@@ -69,6 +80,7 @@ impl SnapshotRecord {
             capture,
             last_spawned_at: None,
             spawn_count: 0,
+            template: None,
         }
     }
 }
@@ -165,6 +177,16 @@ impl Snapshots {
             name: name.map(str::to_string),
             id: id.to_string(),
         })
+    }
+
+    /// Reserves `name` for a template build until [`Snapshots::release_name`] or until
+    /// the template is inserted under it.
+    pub fn reserve_name(&self, name: &str, id: &str) -> Result<(), OrchError> {
+        self.claim_name(Some(name), id).map(std::mem::forget)
+    }
+
+    pub fn release_name(&self, name: &str) {
+        self.names.lock().remove(name);
     }
 
     /// Stores the record durably, then makes the snapshot visible.

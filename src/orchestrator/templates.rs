@@ -1,0 +1,371 @@
+//! Template builds from images (api.md §4.15, CE §5.9): boot an internal build sandbox
+//! (start-fresh with `{}`), run `startCmd`, capture it with the disk frozen, stop it (stop
+//! reason `template-build`). The result is a snapshot with a name that `POST /sandboxes`
+//! starts from. Builds run in the background, at most `[templates]
+//! max_concurrent_builds` at once; their status is durable, and a build interrupted by a
+//! restart becomes `error`.
+
+use super::operations::{self, hook_error};
+use super::sandbox::Op;
+use super::snapshots::{SnapshotRecord, TemplateSource};
+use super::supervisor::{self, Launch, PauseOutcome, RunDir, StartPlan};
+use super::{OrchError, SandboxInfo, SandboxState, Shared};
+use crate::agent::ExecRequest;
+use crate::hooks::StopReason;
+use crate::vm;
+use parking_lot::{Condvar, Mutex};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// Most of a failed startCmd's stderr kept in the build's `reason`.
+const STDERR_TAIL: usize = 4096;
+
+/// A build request, checked field by field by the API.
+#[derive(Debug, Clone)]
+pub struct TemplateRequest {
+    pub name: String,
+    pub image: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub start_cmd: Option<String>,
+    pub env_vars: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    Waiting,
+    Building,
+    Ready,
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+}
+
+/// One template build, as `GET /templates` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateBuild {
+    pub id: String,
+    pub name: String,
+    pub image: String,
+    pub start_cmd: Option<String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub status: BuildStatus,
+    pub reason: Option<String>,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+}
+
+/// The builds and the slots for running ones.
+pub(crate) struct Builds {
+    dir: PathBuf,
+    builds: Mutex<BTreeMap<String, TemplateBuild>>,
+    running: Mutex<u32>,
+    slot_free: Condvar,
+}
+
+impl Builds {
+    /// Loads the build records; unfinished builds become `error` (api.md §4.15).
+    pub fn load(dir: PathBuf) -> Builds {
+        let mut builds = BTreeMap::new();
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let Some(mut b) = std::fs::read(entry.path())
+                    .ok()
+                    .and_then(|t| serde_json::from_slice::<TemplateBuild>(&t).ok())
+                else {
+                    continue;
+                };
+                if matches!(b.status, BuildStatus::Waiting | BuildStatus::Building) {
+                    b.status = BuildStatus::Error;
+                    b.reason = Some("interrupted by server restart".into());
+                    b.updated_at = SystemTime::now();
+                    let _ = save(&dir, &b);
+                }
+                builds.insert(b.id.clone(), b);
+            }
+        }
+        Builds {
+            dir,
+            builds: Mutex::new(builds),
+            running: Mutex::new(0),
+            slot_free: Condvar::new(),
+        }
+    }
+
+    pub fn list(&self) -> Vec<TemplateBuild> {
+        self.builds.lock().values().cloned().collect()
+    }
+
+    /// By id, or by name.
+    pub fn find(&self, id_or_name: &str) -> Option<TemplateBuild> {
+        let builds = self.builds.lock();
+        builds
+            .get(id_or_name)
+            .or_else(|| builds.values().find(|b| b.name == id_or_name))
+            .cloned()
+    }
+
+    fn update(&self, id: &str, status: BuildStatus, reason: Option<String>) {
+        let updated = {
+            let mut builds = self.builds.lock();
+            builds.get_mut(id).map(|b| {
+                b.status = status;
+                b.reason = reason;
+                b.updated_at = SystemTime::now();
+                b.clone()
+            })
+        };
+        if let Some(b) = updated {
+            if let Err(e) = save(&self.dir, &b) {
+                log::warn!("templateId={id} op=save_build error=\"{e}\"");
+            }
+        }
+    }
+
+    /// Forgets a finished build (its template is deleted).
+    pub fn remove(&self, id: &str) {
+        self.builds.lock().remove(id);
+        let _ = std::fs::remove_file(self.dir.join(format!("{id}.json")));
+    }
+}
+
+fn save(dir: &std::path::Path, b: &TemplateBuild) -> Result<(), OrchError> {
+    crate::store::ensure_private_dir(dir).map_err(|e| OrchError::Internal(e.to_string()))?;
+    let bytes = serde_json::to_vec_pretty(b)
+        .map_err(|e| OrchError::Internal(format!("cannot encode build record: {e}")))?;
+    crate::store::write_atomic(&dir.join(format!("{}.json", b.id)), &bytes, 0o600)
+        .map_err(|e| OrchError::Internal(e.to_string()))
+}
+
+/// `POST /templates`: registers the build (`waiting`) and starts it in the background.
+pub(crate) fn submit(
+    shared: &Arc<Shared>,
+    req: TemplateRequest,
+) -> Result<TemplateBuild, OrchError> {
+    let id = crate::util::new_id();
+    shared.snapshots.reserve_name(&req.name, &id)?;
+    let now = SystemTime::now();
+    let build = TemplateBuild {
+        id: id.clone(),
+        name: req.name.clone(),
+        image: req.image.clone(),
+        start_cmd: req.start_cmd.clone(),
+        env_vars: req.env_vars.clone(),
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+        disk_size_mb: req.disk_size_mb,
+        status: BuildStatus::Waiting,
+        reason: None,
+        created_at: now,
+        updated_at: now,
+    };
+    if let Err(e) = save(&shared.builds.dir, &build) {
+        shared.snapshots.release_name(&req.name);
+        return Err(e);
+    }
+    shared
+        .builds
+        .builds
+        .lock()
+        .insert(id.clone(), build.clone());
+    let thread_shared = shared.clone();
+    std::thread::Builder::new()
+        .name(format!("tpl-{}", &id[id.len() - 8..]))
+        .spawn(move || run_build(&thread_shared, &id, req))
+        .map_err(|e| OrchError::Internal(format!("cannot start the build thread: {e}")))?;
+    Ok(build)
+}
+
+fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
+    let builds = &shared.builds;
+    {
+        let mut running = builds.running.lock();
+        while *running >= shared.config.templates.max_concurrent_builds {
+            builds.slot_free.wait(&mut running);
+        }
+        *running += 1;
+    }
+    builds.update(id, BuildStatus::Building, None);
+    let result = build(shared, id, &req);
+    {
+        *builds.running.lock() -= 1;
+        builds.slot_free.notify_one();
+    }
+    match result {
+        Ok(()) => {
+            builds.update(id, BuildStatus::Ready, None);
+            log::info!(
+                "templateId={id} name={} op=template_build result=ready",
+                req.name
+            );
+        }
+        Err(e) => {
+            shared.snapshots.release_name(&req.name);
+            let _ = std::fs::remove_dir_all(shared.snapshots.dir(id));
+            log::warn!("templateId={id} op=template_build result=error reason=\"{e}\"");
+            builds.update(id, BuildStatus::Error, Some(e.to_string()));
+        }
+    }
+    shared.operations.record(
+        "template_build",
+        builds
+            .find(id)
+            .is_some_and(|b| b.status == BuildStatus::Ready),
+    );
+}
+
+/// The build itself. The build sandbox is internal: its id is never shown by the API.
+fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Result<(), OrchError> {
+    let image = shared.images.prepare_rootfs(&req.image, req.disk_size_mb)?;
+    let sandbox_id = crate::util::new_id();
+    let run_dir = RunDir::create(
+        shared
+            .config
+            .server
+            .state_dir
+            .join("template-builds")
+            .join(&sandbox_id),
+    )?;
+    vm::create_overlay(
+        &image.base_disk,
+        &run_dir.path().join("disk.qcow2"),
+        req.disk_size_mb,
+    )
+    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let internet_access = shared.config.network.outbound;
+    let slot = shared.slots.acquire()?;
+    let mut kernel_args = operations::guest_kernel_args(shared);
+    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
+        .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let context = operations::start_context(&sandbox_id, &slot, &serde_json::json!({}));
+    let (instance, hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
+    match hook {
+        Ok(Some(extra)) => kernel_args.push(extra),
+        Ok(None) => {}
+        Err(e) => {
+            shared.hooks.stop(instance, StopReason::TemplateBuild);
+            shared.slots.release(slot);
+            return Err(hook_error(e));
+        }
+    }
+    let (ops, agent) = supervisor::start(
+        shared,
+        StartPlan {
+            id: sandbox_id.clone(),
+            run_dir,
+            slot,
+            instance,
+            launch: Launch::Cold { kernel_args },
+            cpu_count: req.cpu_count,
+            memory_mb: req.memory_mb,
+        },
+    )?;
+    let stop_build = || {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if ops
+            .send(Op::Delete {
+                reason: StopReason::TemplateBuild,
+                reply: tx,
+            })
+            .is_ok()
+        {
+            let _ = rx.recv();
+        }
+    };
+    let mut env: BTreeMap<String, String> = image.env.iter().cloned().collect();
+    env.extend(req.env_vars.clone());
+    if let Some(cmd) = &req.start_cmd {
+        let timeout = Duration::from_secs(shared.config.templates.start_cmd_timeout_secs);
+        let ran = agent.exec(&ExecRequest {
+            cmd: "/bin/sh".into(),
+            args: vec!["-c".into(), cmd.clone()],
+            env: env.clone().into_iter().collect(),
+            cwd: "/".into(),
+            timeout_ms: timeout.as_millis() as u64,
+            max_output_bytes: shared.config.agent.max_output_bytes,
+        });
+        let failure = match ran {
+            Ok(r) if r.exit_code == 0 && !r.timed_out => None,
+            Ok(r) => {
+                let tail_at = r.stderr.len().saturating_sub(STDERR_TAIL);
+                let tail_at = (tail_at..=r.stderr.len())
+                    .find(|i| r.stderr.is_char_boundary(*i))
+                    .unwrap_or(r.stderr.len());
+                Some(format!(
+                    "startCmd exited with code {}{}; stderr: {}",
+                    r.exit_code,
+                    if r.timed_out { " (timed out)" } else { "" },
+                    &r.stderr[tail_at..]
+                ))
+            }
+            Err(e) => Some(format!("startCmd could not run: {e}")),
+        };
+        if let Some(reason) = failure {
+            stop_build();
+            return Err(OrchError::BadRequest(reason));
+        }
+    }
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    ops.send(Op::Snapshot {
+        dir: shared.snapshots.dir(template_id),
+        reply: tx,
+    })
+    .map_err(|_| OrchError::Internal("the build VM is gone".into()))?;
+    let captured = rx.recv();
+    stop_build();
+    let capture = match captured {
+        Ok(Ok(c)) => c,
+        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e),
+        _ => return Err(OrchError::Internal("the build VM is gone".into())),
+    };
+    let now = SystemTime::now();
+    let info = SandboxInfo {
+        id: sandbox_id,
+        template_id: image.reference.clone(),
+        alias: None,
+        started_at: now,
+        end_at: now,
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+        disk_size_mb: req.disk_size_mb,
+        metadata: BTreeMap::new(),
+        env_vars: req.env_vars.clone(),
+        image_env: image.env.clone(),
+        auto_pause: true,
+        internet_access,
+        timeout_secs: shared.config.sandbox.default_timeout_secs,
+        custom_extension_params: serde_json::json!({}),
+        state: SandboxState::Running,
+        host_ip: std::net::Ipv4Addr::UNSPECIFIED,
+        netns_path: PathBuf::new(),
+    };
+    let mut record = SnapshotRecord::new(
+        template_id.to_string(),
+        Some(req.name.clone()),
+        &info,
+        capture,
+    );
+    record.template = Some(TemplateSource {
+        image: req.image.clone(),
+        start_cmd: req.start_cmd.clone(),
+    });
+    shared.snapshots.insert(record)
+}
