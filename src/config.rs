@@ -196,6 +196,7 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_body_bytes: u64,
     pub http_threads: usize,
+    pub shutdown_timeout_secs: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -50,7 +50,9 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     let slots = SlotManager::start(&config.network, &kept)?;
     hooks.recover();
     reclaim_after_recovery(hooks.clone(), slots.clone(), kept);
+    kill_leftover_vms(&config.server.state_dir);
     let listen = config.server.listen.clone();
+    let shutdown_timeout = config.server.shutdown_timeout_secs;
     let threads = config.server.http_threads;
     let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
     let api = ApiServer::start(
@@ -66,10 +68,44 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
 
     let sig = sys::signals::wait_for_termination()?;
     log::info!("op=shutdown signal={sig}");
-    orchestrator.shutdown();
+    let clean = orchestrator.shutdown();
     api.stop();
+    if !clean {
+        return Err(StartupError(format!(
+            "shutdown did not finish within {}s (server.shutdown_timeout_secs)",
+            shutdown_timeout
+        )));
+    }
     log::info!("op=shutdown result=done");
     Ok(())
+}
+
+/// No VM outlives the server (CE §9.3): QEMU processes are bound to their supervisor
+/// thread, and any process still running from an earlier run of this state dir is killed.
+fn kill_leftover_vms(state_dir: &Path) {
+    let marker = state_dir.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        let mut args = cmdline.split('\0');
+        let is_qemu = args.next().is_some_and(|a| a.contains("qemu-system"));
+        if is_qemu && cmdline.contains(&format!("{marker}/")) {
+            log::warn!(
+                "op=recover pid={pid} result=killed reason=\"leftover VM of this state dir\""
+            );
+            if let Err(e) = sys::process::kill_pid(pid) {
+                log::warn!("op=recover pid={pid} error=\"{e}\"");
+            }
+        }
+    }
 }
 
 /// Reclaims the slots kept for recovery stops once their first attempts are done, in the

@@ -12,6 +12,7 @@ use std::time::Duration;
 fn failures_leave_nothing() {
     guest_never_ready();
     crash_then_restart_reclaims();
+    crash_during_pause();
 }
 
 /// Pooled slots the server reports, to tell them from leaks.
@@ -55,7 +56,7 @@ fn guest_never_ready() {
         "{v}"
     );
     let log = server.log();
-    assert!(log.contains("op=boot result=error"), "{log}");
+    assert!(log.contains("op=launch result=error"), "{log}");
     assert!(log.contains("console_tail"), "console tail logged: {log}");
     assert!(files_under(&server.state_dir.join("sandboxes")).is_empty());
     assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
@@ -93,8 +94,55 @@ fn crash_then_restart_reclaims() {
     assert!(wait_until(Duration::from_secs(5), || netns_files().len()
         == pooled_slots(&server)));
     let log = server.log();
-    assert!(log.contains("op=reclaim"), "{log}");
+    assert!(
+        log.contains(&format!("sandboxId={id} op=recover result=lost")),
+        "{log}"
+    );
     server.stop();
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+}
+
+/// kill -9 while a pause is in flight: after the restart the sandbox is either paused and
+/// resumable, or gone; nothing leaks either way.
+fn crash_during_pause() {
+    let mut server = Server::start("");
+    let sb = server.create(json!({"image": base_image(), "timeout": 600}));
+    let id = sb["sandboxID"].as_str().unwrap().to_string();
+    let url = format!("{}/sandboxes/{id}/pause", server.base);
+    let pause = std::thread::spawn(move || {
+        let _ = ureq::post(&url)
+            .set("X-API-Key", API_KEY)
+            .timeout(Duration::from_secs(30))
+            .call();
+    });
+    std::thread::sleep(Duration::from_millis(60));
+    server.crash();
+    pause.join().unwrap();
+    assert!(wait_until(Duration::from_secs(10), || qemu_processes_with(
+        &id
+    )
+    .is_empty()));
+    server.spawn();
+    let (code, v) = server.call("GET", &format!("/sandboxes/{id}"), None);
+    match code {
+        404 => assert!(!server.state_dir.join("sandboxes").join(&id).exists()),
+        200 => {
+            assert_eq!(v["state"], "paused", "{v}");
+            let (code, r) = server.call("POST", &format!("/sandboxes/{id}/resume"), None);
+            assert_eq!(code, 201, "{r}");
+            let out = server.exec(&id, "echo", &["back"]);
+            assert_eq!(out["stdout"], "back\n");
+            assert_eq!(
+                server.call("DELETE", &format!("/sandboxes/{id}"), None).0,
+                204
+            );
+        }
+        other => panic!("unexpected {other}: {v}"),
+    }
+    server.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&server.state_dir.join("sandboxes")).is_empty());
 }

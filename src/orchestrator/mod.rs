@@ -439,14 +439,21 @@ impl Orchestrator {
             )));
         }
         let result = self.shared.hooks.patch_params(id, &patch);
-        let result = result.inspect(|params| {
-            entry.info.lock().custom_extension_params = params.clone();
+        // Stored durably before the answer (CE §10.3).
+        let result = result.map_err(operations::hook_error).and_then(|params| {
+            let info = {
+                let mut info = entry.info.lock();
+                info.custom_extension_params = params.clone();
+                info.clone()
+            };
+            operations::save_running(&self.shared.sandboxes_dir().join(id), &info)?;
+            Ok(params)
         });
         entry.end_patch();
         self.shared
             .operations
             .record("patch_params", result.is_ok());
-        result.map_err(operations::hook_error)
+        result
     }
 
     /// Stored extension params, `{}` when empty; in every state.
@@ -542,14 +549,41 @@ impl Orchestrator {
     /// Graceful shutdown (CE §9.1): refuse new work, pause every running sandbox (stop
     /// reason `shutdown`; one whose pause fails is deleted), give pending stop retries a
     /// final attempt, release the network.
-    pub fn shutdown(&self) {
+    ///
+    /// Bounded by `[server] shutdown_timeout_secs`: returns `false` when that ran out
+    /// (the caller exits with status 1; the VMs die with the process and their journal
+    /// entries stay open for the next start, CE §9.1).
+    pub fn shutdown(&self) -> bool {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
-        let ids: Vec<String> = self.shared.sandboxes.read().keys().cloned().collect();
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        let shared = self.shared.clone();
+        std::thread::spawn(move || {
+            shutdown_all(&shared);
+            let _ = done_tx.send(());
+        });
+        let limit = Duration::from_secs(self.shared.config.server.shutdown_timeout_secs);
+        let finished = done_rx.recv_timeout(limit).is_ok();
+        if !finished {
+            log::error!(
+                "op=shutdown result=timeout after={}s; remaining VMs are killed with the server",
+                limit.as_secs()
+            );
+        }
+        finished
+    }
+}
+
+/// Pauses every running sandbox (stop reason `shutdown`), then final stop attempts and
+/// the network teardown.
+fn shutdown_all(shared: &Arc<Shared>) {
+    {
+        let shared = shared.clone();
+        let ids: Vec<String> = shared.sandboxes.read().keys().cloned().collect();
         log::info!("op=shutdown sandboxes={}", ids.len());
         let handles: Vec<_> = ids
             .into_iter()
             .map(|id| {
-                let shared = self.shared.clone();
+                let shared = shared.clone();
                 std::thread::spawn(move || {
                     if let Err(e) = operations::pause(&shared, &id, StopReason::Shutdown) {
                         log::error!("sandboxId={id} op=shutdown_pause error=\"{e}\"");
@@ -561,9 +595,9 @@ impl Orchestrator {
         for h in handles {
             let _ = h.join();
         }
-        self.shared.hooks.shutdown();
-        self.shared.slots.shutdown();
     }
+    shared.hooks.shutdown();
+    shared.slots.shutdown();
 }
 
 /// Deletes one sandbox once no other lifecycle operation runs on it: unregister (so it

@@ -57,7 +57,7 @@ pub(crate) fn guest_kernel_args(shared: &Shared) -> Vec<String> {
     args
 }
 
-fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<(), OrchError> {
+pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<(), OrchError> {
     records::save(
         dir,
         &SandboxRecord {

@@ -62,6 +62,22 @@ pub fn kill_and_reap(child: &mut Child) -> io::Result<ExitStatus> {
     child.wait()
 }
 
+/// Sends SIGKILL to `pid` (a process this server did not spawn, e.g. a leftover of a
+/// crashed run). A process that is already gone is not an error.
+pub fn kill_pid(pid: u32) -> io::Result<()> {
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: kill has no memory effects; the pid was read from /proc just before.
+    let ret = unsafe { libc::kill(pid, libc::SIGKILL) };
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
