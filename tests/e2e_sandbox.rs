@@ -51,7 +51,7 @@ fn sandboxes_end_to_end() {
     host_reaches_guest(&b_ip);
     guests_are_isolated(&server, &a_id, &a_ip, &b_ip);
     delete_leaves_nothing(&server, &a_id);
-    expiry_deletes(&server, &b_id);
+    expiry_pauses(&server, &b_id);
 
     server.stop();
     assert!(
@@ -288,7 +288,9 @@ fn delete_leaves_nothing(s: &Server, id: &str) {
     );
 }
 
-fn expiry_deletes(s: &Server, id: &str) {
+/// `autoPause: true` (the default): expiry pauses; the paused sandbox is then deleted
+/// without a VM.
+fn expiry_pauses(s: &Server, id: &str) {
     let (code, _) = s.call(
         "POST",
         &format!("/sandboxes/{id}/timeout"),
@@ -298,14 +300,17 @@ fn expiry_deletes(s: &Server, id: &str) {
     assert!(
         wait_until(Duration::from_secs(10), || s
             .call("GET", &format!("/sandboxes/{id}"), None)
-            .0
-            == 404),
-        "sandbox did not expire"
+            .1["state"]
+            == "paused"),
+        "sandbox did not expire into paused"
     );
     assert!(wait_until(Duration::from_secs(10), || qemu_processes_with(
         id
     )
     .is_empty()));
+    assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    assert_eq!(s.call("GET", &format!("/sandboxes/{id}"), None).0, 404);
+    assert!(!s.state_dir.join("sandboxes").join(id).exists());
 }
 
 /// A two-layer OCI layout: layer one has busybox and three files, layer two adds one

@@ -380,7 +380,7 @@ impl Orchestrator {
         let info = operations::clone_from_capture(
             &self.shared,
             &snap.capture,
-            operations::CloneSpec {
+            operations::SandboxSpec {
                 template_id: snap.id.clone(),
                 alias: snap.name.clone(),
                 timeout_secs: req.timeout_secs,

@@ -67,6 +67,66 @@ pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<
     )
 }
 
+/// A VM booted fresh in a slot: its supervisor channel, agent and slot facts.
+pub(crate) struct Booted {
+    pub runtime: RuntimeHandle,
+    pub host_ip: std::net::Ipv4Addr,
+    pub netns_path: PathBuf,
+}
+
+/// The fresh-boot steps shared by cold creates and template builds (CE §5.2 steps 3–6,
+/// §5.9): overlay on the image's base, slot, journal + start-fresh (its `extraBootArgs`
+/// last on the command line), VM, agent. A failed hook is stopped with `failed_reason`.
+pub(crate) fn boot_fresh(
+    shared: &Arc<Shared>,
+    id: &str,
+    run_dir: RunDir,
+    image: &crate::image::PreparedImage,
+    spec: &SandboxSpec,
+    failed_reason: StopReason,
+) -> Result<Booted, OrchError> {
+    vm::create_overlay(
+        &image.base_disk,
+        &run_dir.path().join("disk.qcow2"),
+        spec.disk_size_mb,
+    )
+    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let slot = acquire_slot(shared, spec.internet_access)?;
+    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
+    let mut kernel_args = guest_kernel_args(shared);
+    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
+        .map_err(|e| OrchError::Internal(e.to_string()))?;
+    let context = start_context(id, &slot, &spec.params);
+    let (instance, hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
+    match hook {
+        Ok(Some(extra)) => kernel_args.push(extra),
+        Ok(None) => {}
+        Err(e) => {
+            // Rollback before the answer (CE §7.3): stop for the attempt, then the slot.
+            shared.hooks.stop(instance, failed_reason);
+            shared.slots.release(slot);
+            return Err(hook_error(e));
+        }
+    }
+    let (ops, agent) = supervisor::start(
+        shared,
+        StartPlan {
+            id: id.to_string(),
+            run_dir,
+            slot,
+            instance,
+            launch: Launch::Cold { kernel_args },
+            cpu_count: spec.cpu_count,
+            memory_mb: spec.memory_mb,
+        },
+    )?;
+    Ok(Booted {
+        runtime: RuntimeHandle { ops, agent },
+        host_ip,
+        netns_path,
+    })
+}
+
 /// `POST /sandboxes-cold` (CE §5.2): image → disk → slot → journal + start-fresh → VM →
 /// agent ready → record → visible.
 pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<SandboxInfo, OrchError> {
@@ -75,70 +135,28 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
     let image_ms = started.elapsed().as_millis();
     let id = crate::util::new_id();
     let run_dir = RunDir::create(shared.sandboxes_dir().join(&id))?;
-    vm::create_overlay(
-        &image.base_disk,
-        &run_dir.path().join("disk.qcow2"),
-        req.disk_size_mb,
-    )
-    .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let internet_access =
-        shared.config.network.outbound && req.allow_internet_access != Some(false);
-    let slot = acquire_slot(shared, internet_access)?;
-    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
-
-    let mut kernel_args = guest_kernel_args(shared);
-    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let context = start_context(&id, &slot, &req.custom_extension_params);
-    let (instance, hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
-    match hook {
-        Ok(Some(extra)) => kernel_args.push(extra),
-        Ok(None) => {}
-        Err(e) => {
-            // Rollback before the answer (CE §7.3): stop for the attempt, then the slot.
-            shared.hooks.stop(instance, StopReason::StartFailed);
-            shared.slots.release(slot);
-            return Err(hook_error(e));
-        }
-    }
     let dir = run_dir.path().to_path_buf();
-    let (ops, agent) = supervisor::start(
-        shared,
-        StartPlan {
-            id: id.clone(),
-            run_dir,
-            slot,
-            instance,
-            launch: Launch::Cold { kernel_args },
-            cpu_count: req.cpu_count,
-            memory_mb: req.memory_mb,
-        },
-    )?;
-    let now = SystemTime::now();
-    let info = SandboxInfo {
-        id: id.clone(),
+    let spec = SandboxSpec {
         template_id: image.reference.clone(),
         alias: None,
-        started_at: now,
-        end_at: now + Duration::from_secs(req.timeout_secs),
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
+        timeout_secs: req.timeout_secs,
+        auto_pause: req.auto_pause,
         metadata: req.metadata,
         env_vars: req.env_vars,
         image_env: image.env.clone(),
-        auto_pause: req.auto_pause,
-        internet_access,
-        timeout_secs: req.timeout_secs,
-        custom_extension_params: req.custom_extension_params,
-        state: SandboxState::Running,
-        host_ip,
-        netns_path,
+        params: req.custom_extension_params,
+        internet_access: shared.config.network.outbound && req.allow_internet_access != Some(false),
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+        disk_size_mb: req.disk_size_mb,
     };
-    register_running(shared, &dir, info.clone(), RuntimeHandle { ops, agent })?;
+    let booted = boot_fresh(shared, &id, run_dir, &image, &spec, StopReason::StartFailed)?;
+    let info = spec.into_info(id.clone(), booted.host_ip, booted.netns_path);
+    register_running(shared, &dir, info.clone(), booted.runtime)?;
     log::info!(
-        "sandboxId={id} op=create_cold result=ok image={} hostIp={host_ip} imageMs={image_ms} totalMs={}",
+        "sandboxId={id} op=create_cold result=ok image={} hostIp={} imageMs={image_ms} totalMs={}",
         image.reference,
+        info.host_ip,
         started.elapsed().as_millis()
     );
     Ok(info)
@@ -451,8 +469,8 @@ fn capture_running(
     }
 }
 
-/// What a new sandbox restored from a capture gets (create from a snapshot, fork child).
-pub(crate) struct CloneSpec {
+/// What a new sandbox is made with (cold create, create from a snapshot, fork child).
+pub(crate) struct SandboxSpec {
     pub template_id: String,
     pub alias: Option<String>,
     pub timeout_secs: u64,
@@ -467,12 +485,44 @@ pub(crate) struct CloneSpec {
     pub disk_size_mb: u32,
 }
 
+impl SandboxSpec {
+    /// The description of a sandbox that just became ready; its TTL starts now.
+    pub fn into_info(
+        self,
+        id: String,
+        host_ip: std::net::Ipv4Addr,
+        netns_path: PathBuf,
+    ) -> SandboxInfo {
+        let now = SystemTime::now();
+        SandboxInfo {
+            id,
+            template_id: self.template_id,
+            alias: self.alias,
+            started_at: now,
+            end_at: now + Duration::from_secs(self.timeout_secs),
+            cpu_count: self.cpu_count,
+            memory_mb: self.memory_mb,
+            disk_size_mb: self.disk_size_mb,
+            metadata: self.metadata,
+            env_vars: self.env_vars,
+            image_env: self.image_env,
+            auto_pause: self.auto_pause,
+            internet_access: self.internet_access,
+            timeout_secs: self.timeout_secs,
+            custom_extension_params: self.params,
+            state: SandboxState::Running,
+            host_ip,
+            netns_path,
+        }
+    }
+}
+
 /// A new sandbox from a capture (CE §5.3, §5.8): its own disk over the capture's frozen
 /// layers, a slot, start-resume, restore, agent, record. Never a cold boot.
 pub(crate) fn clone_from_capture(
     shared: &Arc<Shared>,
     capture: &CaptureRecord,
-    spec: CloneSpec,
+    spec: SandboxSpec,
 ) -> Result<SandboxInfo, OrchError> {
     let started = Instant::now();
     let id = crate::util::new_id();
@@ -505,27 +555,7 @@ pub(crate) fn clone_from_capture(
             memory_mb: spec.memory_mb,
         },
     )?;
-    let now = SystemTime::now();
-    let info = SandboxInfo {
-        id: id.clone(),
-        template_id: spec.template_id,
-        alias: spec.alias,
-        started_at: now,
-        end_at: now + Duration::from_secs(spec.timeout_secs),
-        cpu_count: spec.cpu_count,
-        memory_mb: spec.memory_mb,
-        disk_size_mb: spec.disk_size_mb,
-        metadata: spec.metadata,
-        env_vars: spec.env_vars,
-        image_env: spec.image_env,
-        auto_pause: spec.auto_pause,
-        internet_access: spec.internet_access,
-        timeout_secs: spec.timeout_secs,
-        custom_extension_params: spec.params,
-        state: SandboxState::Running,
-        host_ip,
-        netns_path,
-    };
+    let info = spec.into_info(id.clone(), host_ip, netns_path);
     register_running(shared, &dir, info.clone(), RuntimeHandle { ops, agent })?;
     log::info!(
         "sandboxId={id} op=create_from_capture result=ok templateID={} ms={}",
@@ -562,7 +592,7 @@ pub(crate) fn fork(
             clone_from_capture(
                 shared,
                 &capture,
-                CloneSpec {
+                SandboxSpec {
                     template_id: parent.template_id.clone(),
                     alias: parent.alias.clone(),
                     timeout_secs: timeout_secs.unwrap_or(parent.timeout_secs),

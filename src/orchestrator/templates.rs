@@ -5,14 +5,13 @@
 //! max_concurrent_builds` at once; their status is durable, and a build interrupted by a
 //! restart becomes `error`.
 
-use super::operations::{self, hook_error};
+use super::operations::{self, SandboxSpec};
 use super::sandbox::Op;
 use super::snapshots::{SnapshotRecord, TemplateSource};
-use super::supervisor::{self, Launch, PauseOutcome, RunDir, StartPlan};
-use super::{OrchError, SandboxInfo, SandboxState, Shared};
+use super::supervisor::{PauseOutcome, RunDir};
+use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
 use crate::hooks::StopReason;
-use crate::vm;
 use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -244,40 +243,29 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
             .join("template-builds")
             .join(&sandbox_id),
     )?;
-    vm::create_overlay(
-        &image.base_disk,
-        &run_dir.path().join("disk.qcow2"),
-        req.disk_size_mb,
-    )
-    .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let internet_access = shared.config.network.outbound;
-    let slot = shared.slots.acquire()?;
-    let mut kernel_args = operations::guest_kernel_args(shared);
-    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let context = operations::start_context(&sandbox_id, &slot, &serde_json::json!({}));
-    let (instance, hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
-    match hook {
-        Ok(Some(extra)) => kernel_args.push(extra),
-        Ok(None) => {}
-        Err(e) => {
-            shared.hooks.stop(instance, StopReason::TemplateBuild);
-            shared.slots.release(slot);
-            return Err(hook_error(e));
-        }
-    }
-    let (ops, agent) = supervisor::start(
+    let spec = SandboxSpec {
+        template_id: image.reference.clone(),
+        alias: None,
+        timeout_secs: shared.config.sandbox.default_timeout_secs,
+        auto_pause: true,
+        metadata: BTreeMap::new(),
+        env_vars: req.env_vars.clone(),
+        image_env: image.env.clone(),
+        params: serde_json::json!({}),
+        internet_access: shared.config.network.outbound,
+        cpu_count: req.cpu_count,
+        memory_mb: req.memory_mb,
+        disk_size_mb: req.disk_size_mb,
+    };
+    let booted = operations::boot_fresh(
         shared,
-        StartPlan {
-            id: sandbox_id.clone(),
-            run_dir,
-            slot,
-            instance,
-            launch: Launch::Cold { kernel_args },
-            cpu_count: req.cpu_count,
-            memory_mb: req.memory_mb,
-        },
+        &sandbox_id,
+        run_dir,
+        &image,
+        &spec,
+        StopReason::TemplateBuild,
     )?;
+    let (ops, agent) = (booted.runtime.ops, booted.runtime.agent);
     let stop_build = || {
         let (tx, rx) = crossbeam_channel::bounded(1);
         if ops
@@ -336,27 +324,7 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
         Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e),
         _ => return Err(OrchError::Internal("the build VM is gone".into())),
     };
-    let now = SystemTime::now();
-    let info = SandboxInfo {
-        id: sandbox_id,
-        template_id: image.reference.clone(),
-        alias: None,
-        started_at: now,
-        end_at: now,
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
-        metadata: BTreeMap::new(),
-        env_vars: req.env_vars.clone(),
-        image_env: image.env.clone(),
-        auto_pause: true,
-        internet_access,
-        timeout_secs: shared.config.sandbox.default_timeout_secs,
-        custom_extension_params: serde_json::json!({}),
-        state: SandboxState::Running,
-        host_ip: std::net::Ipv4Addr::UNSPECIFIED,
-        netns_path: PathBuf::new(),
-    };
+    let info = spec.into_info(sandbox_id, std::net::Ipv4Addr::UNSPECIFIED, PathBuf::new());
     let mut record = SnapshotRecord::new(
         template_id.to_string(),
         Some(req.name.clone()),
