@@ -146,7 +146,9 @@ impl AgentServer {
                     if on_eof == OnEof::Stop {
                         return;
                     }
-                    std::thread::sleep(Duration::from_millis(50));
+                    // No host is connected (e.g. right after a restore, before the new
+                    // server-side client attaches): poll briefly, as a resume waits on it.
+                    std::thread::sleep(Duration::from_millis(10));
                 }
                 Err(e) => {
                     log::warn!("agent channel read failed: {e}");
