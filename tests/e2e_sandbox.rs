@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::registry::{Auth, TestLayer, TestRegistry};
 use common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -12,8 +13,11 @@ use std::time::Duration;
 fn sandboxes_end_to_end() {
     let mut server = Server::start("");
     let layout = layered_test_image(&server.state_dir.parent().unwrap().join("layered"));
-    let (a, b) = std::thread::scope(|sc| {
+    let registry = TestRegistry::start(Auth::Anonymous);
+    let pulled = push_layered_image(&registry);
+    let (a, b, c) = std::thread::scope(|sc| {
         let s = &server;
+        let pulled = &pulled;
         let a = sc.spawn(move || {
             s.create(json!({
                 "image": base_image(),
@@ -26,8 +30,21 @@ fn sandboxes_end_to_end() {
         let b = sc.spawn(move || {
             s.create(json!({"image": format!("oci:{}:v1", layout.display()), "timeout": 600}))
         });
-        (a.join().unwrap(), b.join().unwrap())
+        let c = sc.spawn(move || s.create(json!({"image": pulled, "timeout": 600})));
+        (a.join().unwrap(), b.join().unwrap(), c.join().unwrap())
     });
+    // Cold start from a real registry on loopback: the guest sees the image's files.
+    let c_id = c["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(c["templateID"], pulled);
+    let v = server.exec(&c_id, "cat", &["/etc/layer2.txt", "/etc/kept.txt"]);
+    assert_eq!(v["stdout"], "from layer two\nkept\n", "{v}");
+    let v = server.exec(&c_id, "ls", &["/etc/removed.txt"]);
+    assert_ne!(v["exitCode"], 0, "whiteout from the registry image: {v}");
+    assert_eq!(
+        server.call("DELETE", &format!("/sandboxes/{c_id}"), None).0,
+        204
+    );
+    drop(registry);
     let a_id = a["sandboxID"].as_str().unwrap().to_string();
     let b_id = b["sandboxID"].as_str().unwrap().to_string();
     assert_eq!(a["templateID"], base_image());
@@ -313,10 +330,10 @@ fn expiry_pauses(s: &Server, id: &str) {
     assert!(!s.state_dir.join("sandboxes").join(id).exists());
 }
 
-/// A two-layer OCI layout: layer one has busybox and three files, layer two adds one
-/// and whites out another; the config sets an env var.
-fn layered_test_image(dir: &std::path::Path) -> std::path::PathBuf {
-    use agentenv::image::{ImageSpec, LayerBlob, LayerBuilder, LayoutWriter};
+/// The layers of the test image: busybox and three files, then one file more and a
+/// whiteout of another.
+fn test_layers() -> (Vec<u8>, Vec<u8>) {
+    use agentenv::image::LayerBuilder;
     let busybox = std::fs::read("/bin/busybox").unwrap();
     let mut one = LayerBuilder::new();
     one.dir("bin", 0o755).file("bin/busybox", 0o755, &busybox);
@@ -334,21 +351,46 @@ fn layered_test_image(dir: &std::path::Path) -> std::path::PathBuf {
     let mut two = LayerBuilder::new();
     two.file("etc/layer2.txt", 0o644, b"from layer two\n")
         .whiteout("etc/removed.txt");
+    (one.finish(), two.finish())
+}
+
+/// A two-layer OCI layout of [`test_layers`]; the config sets an env var.
+fn layered_test_image(dir: &std::path::Path) -> std::path::PathBuf {
+    use agentenv::image::{ImageSpec, LayerBlob, LayoutWriter};
+    let (one, two) = test_layers();
     let mut writer = LayoutWriter::create(dir).unwrap();
     let spec = ImageSpec {
         env: vec!["PATH=/bin".into(), "FROM_IMAGE=yes".into()],
         ..ImageSpec::default()
     };
     let desc = writer
-        .add_image(
-            &spec,
-            &[
-                LayerBlob::gzip(one.finish()),
-                LayerBlob::plain(two.finish()),
-            ],
-        )
+        .add_image(&spec, &[LayerBlob::gzip(one), LayerBlob::plain(two)])
         .unwrap();
     writer.tag(desc, Some("v1"));
     writer.finish().unwrap();
     dir.to_path_buf()
+}
+
+/// Pushes [`test_layers`] to the registry as `layered:v1` (a gzip and an uncompressed
+/// layer); returns the reference to create from.
+fn push_layered_image(registry: &TestRegistry) -> String {
+    let (one, two) = test_layers();
+    let image = registry.push_image(
+        "layered",
+        "amd64",
+        "/",
+        &[
+            TestLayer {
+                tar: one,
+                gzip: true,
+            },
+            TestLayer {
+                tar: two,
+                gzip: false,
+            },
+        ],
+        false,
+    );
+    registry.tag("layered", "v1", &image);
+    format!("{}/layered:v1", registry.addr)
 }

@@ -91,6 +91,12 @@ pool_min = 1
 
     /// (Re)starts the process on the same config and state dir.
     pub fn spawn(&mut self) {
+        self.spawn_with_env(&[]);
+    }
+
+    /// Like [`Server::spawn`], with extra environment variables for the process (e.g. the
+    /// `AENV_CUSTOM_EXTENSION_*` overrides).
+    pub fn spawn_with_env(&mut self, env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -100,6 +106,7 @@ pool_min = 1
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
