@@ -46,33 +46,19 @@ pub fn create_overlay(base: &Path, overlay: &Path, size_mb: u32) -> Result<(), V
             path: base.to_path_buf(),
         });
     }
-    let output = Command::new("qemu-img")
-        .arg("create")
-        .arg("-q")
-        .args(["-f", "qcow2", "-F", "raw", "-b"])
-        .arg(base)
-        .arg(overlay)
-        .arg(format!("{size_mb}M"))
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                VmError::BinaryNotFound {
-                    binary: "qemu-img".into(),
-                }
-            } else {
-                VmError::Spawn {
-                    binary: "qemu-img".into(),
-                    source: e,
-                }
-            }
-        })?;
-    if !output.status.success() {
-        return Err(VmError::QemuImg {
-            status: output.status,
-            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-        });
-    }
+    let size = format!("{size_mb}M");
+    qemu_img(&[
+        "create".as_ref(),
+        "-q".as_ref(),
+        "-f".as_ref(),
+        "qcow2".as_ref(),
+        "-F".as_ref(),
+        "raw".as_ref(),
+        "-b".as_ref(),
+        base.as_os_str(),
+        overlay.as_os_str(),
+        size.as_ref(),
+    ])?;
     log::debug!(
         "vm op=create_overlay base={} overlay={} sizeMb={size_mb}",
         base.display(),
