@@ -387,6 +387,26 @@ fn templates_from_images(s: &Server, ext: &Extension) {
         ),
         "template\nrunning\n"
     );
+    // The template's RAM file is mapped copy-on-write by the clone; a pause saves the
+    // clone's own RAM, so it resumes even after the template is gone.
+    sh(s, &id, "echo clone > /dev/shm/c");
+    assert_eq!(
+        s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
+        204
+    );
+    assert_eq!(s.call("DELETE", "/templates/built", None).0, 204);
+    assert_eq!(
+        s.call("POST", &format!("/sandboxes/{id}/resume"), None).0,
+        201
+    );
+    assert_eq!(
+        sh(
+            s,
+            &id,
+            "cat /root/built /dev/shm/c; pidof sleep >/dev/null && echo running"
+        ),
+        "template\nclone\nrunning\n"
+    );
     assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
     for name in ["built", "broken"] {
         assert_eq!(s.call("DELETE", &format!("/templates/{name}"), None).0, 204);

@@ -84,6 +84,7 @@ pub(crate) fn boot_fresh(
     image: &crate::image::PreparedImage,
     spec: &SandboxSpec,
     failed_reason: StopReason,
+    memory_file: Option<PathBuf>,
 ) -> Result<Booted, OrchError> {
     vm::create_overlay(
         &image.base_disk,
@@ -115,7 +116,10 @@ pub(crate) fn boot_fresh(
             run_dir,
             slot,
             instance,
-            launch: Launch::Cold { kernel_args },
+            launch: Launch::Cold {
+                kernel_args,
+                memory_file,
+            },
             cpu_count: spec.cpu_count,
             memory_mb: spec.memory_mb,
         },
@@ -150,7 +154,15 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
         memory_mb: req.memory_mb,
         disk_size_mb: req.disk_size_mb,
     };
-    let booted = boot_fresh(shared, &id, run_dir, &image, &spec, StopReason::StartFailed)?;
+    let booted = boot_fresh(
+        shared,
+        &id,
+        run_dir,
+        &image,
+        &spec,
+        StopReason::StartFailed,
+        None,
+    )?;
     let info = spec.into_info(id.clone(), booted.host_ip, booted.netns_path);
     register_running(shared, &dir, info.clone(), booted.runtime)?;
     log::info!(
@@ -446,6 +458,7 @@ fn capture_running(
         .ops
         .send(Op::Snapshot {
             dir: dir.clone(),
+            run_on: true,
             reply: tx,
         })
         .map_err(|_| OrchError::Internal("the sandbox's VM is gone".into()))?;

@@ -175,9 +175,12 @@ pub enum Op {
         commit: super::supervisor::PauseCommit,
         reply: Sender<super::supervisor::PauseOutcome>,
     },
-    /// Capture in place into `dir` with the disk frozen, then run on.
+    /// Capture in place into `dir` with the disk frozen, then run on — or, without
+    /// `run_on`, stay stopped until the Delete that follows (a template build, whose RAM
+    /// file is the captured RAM and must not change again).
     Snapshot {
         dir: std::path::PathBuf,
+        run_on: bool,
         reply: Sender<Result<crate::vm::CaptureRecord, super::supervisor::PauseOutcome>>,
     },
 }

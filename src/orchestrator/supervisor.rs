@@ -8,7 +8,7 @@ use super::{OrchError, Shared};
 use crate::agent::AgentClient;
 use crate::hooks::{Instance, StopReason};
 use crate::net::Slot;
-use crate::vm::{self, CaptureRecord, DiskCapture, RestoreSpec, Vm, VmSpec};
+use crate::vm::{self, CaptureRecord, DiskCapture, MemoryFile, RestoreSpec, Vm, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -73,8 +73,13 @@ impl Drop for RunDir {
 
 /// How a sandbox's VM comes to life.
 pub(crate) enum Launch {
-    /// A fresh boot with these extra kernel arguments.
-    Cold { kernel_args: Vec<String> },
+    /// A fresh boot with these extra kernel arguments. With `memory_file`, the guest's RAM
+    /// is that file, mapped shared: a template build, whose capture then holds no RAM and
+    /// whose clones map the file copy-on-write.
+    Cold {
+        kernel_args: Vec<String>,
+        memory_file: Option<PathBuf>,
+    },
     /// A restore of `record` onto the writable top layer `disk`.
     Restore {
         record: Box<CaptureRecord>,
@@ -205,9 +210,12 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
     let qemu_binary = shared.config.vm.qemu_binary.clone();
     let restored = matches!(launch, Launch::Restore { .. });
     let spawned = match launch {
-        Launch::Cold { kernel_args } => {
+        Launch::Cold {
+            kernel_args,
+            memory_file,
+        } => {
             let assets = &shared.config.vm.assets_dir;
-            Vm::spawn(VmSpec {
+            let spec = VmSpec {
                 run_dir: run_dir.path().to_path_buf(),
                 kernel: vm::guest_kernel(assets),
                 initramfs: assets.join("initramfs.img"),
@@ -219,7 +227,11 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
                 tap,
                 accel: shared.accel,
                 qemu_binary,
-            })
+            };
+            match memory_file {
+                Some(path) => Vm::spawn_with_memory_file(spec, &MemoryFile { path, shared: true }),
+                None => Vm::spawn(spec),
+            }
         }
         Launch::Restore { record, disk } => {
             let spec = RestoreSpec {
@@ -297,20 +309,22 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     return;
                 }
             },
-            Ok(Op::Snapshot { dir, reply }) => match snapshot(id, &mut runtime, &dir) {
-                Ok(record) => {
-                    let _ = reply.send(Ok(record));
+            Ok(Op::Snapshot { dir, run_on, reply }) => {
+                match snapshot(id, &mut runtime, &dir, run_on) {
+                    Ok(record) => {
+                        let _ = reply.send(Ok(record));
+                    }
+                    Err(PauseOutcome::RanOn(e)) => {
+                        let _ = reply.send(Err(PauseOutcome::RanOn(e)));
+                    }
+                    Err(gone) => {
+                        runtime.run_dir.arm();
+                        runtime.teardown(shared, StopReason::Failure);
+                        let _ = reply.send(Err(gone));
+                        return;
+                    }
                 }
-                Err(PauseOutcome::RanOn(e)) => {
-                    let _ = reply.send(Err(PauseOutcome::RanOn(e)));
-                }
-                Err(gone) => {
-                    runtime.run_dir.arm();
-                    runtime.teardown(shared, StopReason::Failure);
-                    let _ = reply.send(Err(gone));
-                    return;
-                }
-            },
+            }
             Err(RecvTimeoutError::Timeout) => {
                 if let Some(status) = runtime.vm.try_wait() {
                     log::error!(
@@ -379,8 +393,18 @@ fn pause(
 
 /// CE §5.7: capture in place with the disk frozen, then run on. The sandbox's disk chain
 /// grows by one layer per capture; it is flattened when it gets deep.
-fn snapshot(id: &str, runtime: &mut Runtime, dir: &Path) -> Result<CaptureRecord, PauseOutcome> {
+fn snapshot(
+    id: &str,
+    runtime: &mut Runtime,
+    dir: &Path,
+    run_on: bool,
+) -> Result<CaptureRecord, PauseOutcome> {
     let captured = runtime.vm.capture(dir, DiskCapture::Freeze);
+    if !run_on {
+        return captured
+            .map(|(record, _)| record)
+            .map_err(|e| PauseOutcome::Gone(OrchError::Internal(format!("capture failed: {e}"))));
+    }
     let resumed = runtime.vm.resume_vcpus();
     match (captured, resumed) {
         (Ok((record, stats)), Ok(())) => {

@@ -257,6 +257,13 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
         memory_mb: req.memory_mb,
         disk_size_mb: req.disk_size_mb,
     };
+    // The build VM's RAM lives in the template's directory: its capture then holds only
+    // device state, and every sandbox created from the template maps the RAM file
+    // copy-on-write instead of loading it (the fast path of create-from-template).
+    let template_dir = shared.snapshots.dir(template_id);
+    std::fs::create_dir_all(&template_dir).map_err(|e| {
+        OrchError::Internal(format!("cannot create {}: {e}", template_dir.display()))
+    })?;
     let booted = operations::boot_fresh(
         shared,
         &sandbox_id,
@@ -264,6 +271,7 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
         &image,
         &spec,
         StopReason::TemplateBuild,
+        Some(template_dir.join("memory.ram")),
     )?;
     let (ops, agent) = (booted.runtime.ops, booted.runtime.agent);
     let stop_build = || {
@@ -314,6 +322,7 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
     let (tx, rx) = crossbeam_channel::bounded(1);
     ops.send(Op::Snapshot {
         dir: shared.snapshots.dir(template_id),
+        run_on: false,
         reply: tx,
     })
     .map_err(|_| OrchError::Internal("the build VM is gone".into()))?;
