@@ -70,6 +70,20 @@ fn main() {
     std::thread::sleep(SETTLE);
     let template = format!("bench-template-{}", std::process::id());
     server.snapshot(&id, &template);
+    // And a template built from the image (`POST /templates`): its RAM is a file that
+    // clones map copy-on-write.
+    let built = format!("bench-built-{}", std::process::id());
+    server.call(
+        "POST",
+        "/templates",
+        Some(json!({"name": built, "image": image, "cpuCount": 1, "memoryMB": 256, "diskSizeMB": DISK_MB})),
+        202,
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while server.call("GET", &format!("/templates/{built}"), None, 200)["buildStatus"] != "ready" {
+        assert!(Instant::now() < deadline, "template build did not finish");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // Floor: one cold-booted QEMU saved the same way; its disk becomes the template's. The
     // floor's long-lived VM (the counterpart of the sandbox) is a clone of it.
@@ -90,6 +104,11 @@ fn main() {
     let mut snapshot = Row::new("snapshot `POST /sandboxes/{id}/snapshots` → 201", 150.0);
     let mut create = Row::new("create from template `POST /sandboxes` → 201", 150.0);
     create.max_ratio = Some(1.3);
+    let mut create_built = Row::new(
+        "create from a built template (`POST /templates`, RAM file) → 201",
+        150.0,
+    );
+    create_built.max_ratio = Some(1.3);
     let mut clone_disk = Vec::new();
     // When start-resume reached the extension, from the request's start.
     let (mut resume_hook, mut create_hook) = (Vec::new(), Vec::new());
@@ -162,6 +181,25 @@ fn main() {
             },
         );
         create.push(p, f);
+
+        std::thread::sleep(SETTLE);
+        let (p, f) = alternate(
+            product_first,
+            || {
+                let (clone, took) = server.create_from_template(&built);
+                server.delete(&clone);
+                took
+            },
+            || {
+                let dir = work.join(format!("fb{i}"));
+                let (disk, _) = floor.clone_disk(&floor_disk, &dir);
+                let (vm, took) = floor.restore(&dir, &disk, &floor_state);
+                drop(vm);
+                std::fs::remove_dir_all(&dir).unwrap();
+                took
+            },
+        );
+        create_built.push(p, f);
         load.push(load_average());
         eprintln!("run {}/{runs} done", i + 1);
     }
@@ -170,6 +208,7 @@ fn main() {
     drop(fvm);
     server.delete(&id);
     server.delete_template(&template);
+    server.delete_template(&built);
     let leftover = server.count_snapshots();
     let log = std::fs::read_to_string(server.log.clone()).unwrap_or_default();
     drop(server);
@@ -178,7 +217,7 @@ fn main() {
 
     println!("| operation | agentenv p50 | agentenv p90 | raw floor p50 | raw floor p90 | ratio (p50) | goal |");
     println!("|---|---|---|---|---|---|---|");
-    for row in [&pause, &resume, &snapshot, &create] {
+    for row in [&pause, &resume, &snapshot, &create, &create_built] {
         row.print();
         eprintln!("{}: agentenv {:.0?}", row.name, row.ours);
         eprintln!("{}: floor {:.0?}", row.name, row.floor);
@@ -199,7 +238,7 @@ fn main() {
         "start-resume hooks answered by the local extension: {start_resumes} (expected {}); \
          snapshots left after cleanup: {leftover}; 1-min load average during the run: \
          {:.2}–{:.2}; wall time {:.0} s.",
-        2 * runs,
+        3 * runs,
         load.iter().cloned().fold(f64::INFINITY, f64::min),
         load.iter().cloned().fold(0.0, f64::max),
         started.elapsed().as_secs_f64()
