@@ -2,7 +2,7 @@
 //! one line that names it and how to fix it.
 
 use crate::config::Config;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// Every unmet requirement, as one line each. Empty when the host is ready.
@@ -37,7 +37,7 @@ pub fn check(config: &Config) -> Vec<String> {
         ),
         Err(_) => problems.push("nft not found: install nftables (scripts/setup.sh does)".to_string()),
     }
-    if find_in_path(&config.vm.qemu_binary).is_none() {
+    if crate::util::find_in_path(&config.vm.qemu_binary).is_none() {
         problems.push(format!(
             "{} not found: install QEMU >= 10 (scripts/setup.sh does), or set vm.qemu_binary",
             config.vm.qemu_binary.display()
@@ -56,22 +56,11 @@ pub fn check(config: &Config) -> Vec<String> {
             assets.join("initramfs.img").display()
         ));
     }
-    if find_in_path(Path::new("mkfs.ext4")).is_none() {
+    if crate::util::find_in_path(Path::new("mkfs.ext4")).is_none() {
         problems.push("mkfs.ext4 not found: install e2fsprogs".to_string());
     }
-    if find_in_path(Path::new("qemu-img")).is_none() {
+    if crate::util::find_in_path(Path::new("qemu-img")).is_none() {
         problems.push("qemu-img not found: install qemu-utils".to_string());
     }
     problems
-}
-
-/// Resolves a program name the way exec does.
-pub fn find_in_path(program: &Path) -> Option<PathBuf> {
-    if program.components().count() > 1 {
-        return program.is_file().then(|| program.to_path_buf());
-    }
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into());
-    std::env::split_paths(&path)
-        .map(|d| d.join(program))
-        .find(|p| p.is_file())
 }

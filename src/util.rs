@@ -1,5 +1,6 @@
 //! Small shared helpers: ids, RFC 3339 times, constant-time comparison.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// A fresh UUIDv7, lowercase with hyphens (api.md §1.5).
@@ -55,6 +56,20 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Resolves a program name the way exec does.
+pub fn find_in_path(program: &Path) -> Option<PathBuf> {
+    if program.as_os_str().is_empty() {
+        return None;
+    }
+    if program.components().count() > 1 {
+        return program.is_file().then(|| program.to_path_buf());
+    }
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into());
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
 }
 
 #[cfg(test)]

@@ -157,6 +157,14 @@ impl Orchestrator {
         let snapshots = snapshots::Snapshots::load(config.server.state_dir.join("snapshots"));
         let sandboxes = load_sandboxes(&config.server.state_dir.join("sandboxes"));
         let builds = templates::Builds::load(config.server.state_dir.join("templates"));
+        // Build sandboxes are internal and never survive a restart (their builds became
+        // `error` above); their disks go.
+        let build_dirs = config.server.state_dir.join("template-builds");
+        if let Err(e) = std::fs::remove_dir_all(&build_dirs) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                log::warn!("op=recover path={} error={e}", build_dirs.display());
+            }
+        }
         let shared = Arc::new(Shared {
             config,
             slots,

@@ -288,24 +288,9 @@ pub(crate) fn state_uri_path(state: &Path) -> Result<&str, VmError> {
 
 /// Finds `binary` as `execvp` would: as given when it holds a `/`, else in PATH.
 fn resolve_binary(binary: &Path) -> Result<PathBuf, VmError> {
-    let not_found = || VmError::BinaryNotFound {
+    crate::util::find_in_path(binary).ok_or_else(|| VmError::BinaryNotFound {
         binary: binary.to_path_buf(),
-    };
-    if binary.as_os_str().is_empty() {
-        return Err(not_found());
-    }
-    if binary.components().count() > 1 || binary.is_absolute() {
-        return if binary.is_file() {
-            Ok(binary.to_path_buf())
-        } else {
-            Err(not_found())
-        };
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(binary))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(not_found)
+    })
 }
 
 /// Kills and reaps a child unless disarmed: an early `?` in [`Vm::start`] never leaves a
