@@ -24,8 +24,10 @@ fn cfg(url: Option<&str>, timeout_ms: u64, token: Option<&str>) -> CustomExtensi
     }
 }
 
+/// Journal dirs live under cargo's per-target scratch dir (`target/tmp`), not in /tmp.
 fn temp_dir() -> PathBuf {
-    std::env::temp_dir().join(format!("aenv-hooks-test-{}", agentenv::util::new_id()))
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("aenv-hooks-test-{}", agentenv::util::new_id()))
 }
 
 fn client(ext: &Extension, timeout_ms: u64) -> (Arc<HookClient>, PathBuf) {

@@ -219,6 +219,13 @@ pool_min = 1
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
+        // A passing test leaves nothing in /tmp; a failing one keeps its state dir and
+        // server log for inspection.
+        if !std::thread::panicking() {
+            if let Some(dir) = self.state_dir.parent() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
     }
 }
 
