@@ -158,19 +158,55 @@ fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `customExtensionParams` (CE §10.2): object or null; non-empty needs an extension.
-fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
+/// `customExtensionParams` as sent (CE §10.1–10.2): an object, `{}` when absent or
+/// `null`; any other type is 422.
+fn params_field(f: &Fields) -> Result<Value, ApiError> {
     match f.raw("customExtensionParams") {
         None | Some(Value::Null) => Ok(json!({})),
-        Some(Value::Object(m)) if m.is_empty() => Ok(json!({})),
-        Some(v @ Value::Object(_)) if ctx.orchestrator.extension_enabled() => Ok(v.clone()),
-        Some(Value::Object(_)) => Err(ApiError::bad_request(
-            "customExtensionParams given but no custom extension is configured ([custom_extension].url is unset)",
-        )),
+        Some(v @ Value::Object(_)) => Ok(v.clone()),
         Some(_) => Err(ApiError::unprocessable(
             "field customExtensionParams must be an object or null",
         )),
     }
+}
+
+/// Params of a cold create: non-empty ones need an extension (CE §10.2).
+fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
+    let params = params_field(f)?;
+    let empty = params.as_object().is_some_and(|m| m.is_empty());
+    if !empty && !ctx.orchestrator.extension_enabled() {
+        return Err(ApiError::bad_request(
+            "customExtensionParams given but no custom extension is configured ([custom_extension].url is unset)",
+        ));
+    }
+    Ok(params)
+}
+
+/// The fields every create shares (api.md §4.2), checked in one place.
+struct CreateFields {
+    timeout_secs: u64,
+    auto_pause: bool,
+    metadata: std::collections::BTreeMap<String, String>,
+    env_vars: std::collections::BTreeMap<String, String>,
+    allow_internet_access: Option<bool>,
+}
+
+fn create_fields(ctx: &Context, f: &Fields) -> Result<CreateFields, ApiError> {
+    let timeout_secs = f
+        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+        .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs);
+    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
+    let metadata = f.string_map("metadata")?;
+    let env_vars = f.string_map("envVars")?;
+    check_env("envVars", &env_vars)?;
+    reject_unsupported(f)?;
+    Ok(CreateFields {
+        timeout_secs,
+        auto_pause,
+        metadata,
+        env_vars,
+        allow_internet_access: internet_access(ctx, f)?,
+    })
 }
 
 /// `allowInternetAccess` / `allow_internet_access` (network.md §5.4): absent → the
@@ -190,36 +226,19 @@ fn internet_access(ctx: &Context, f: &Fields) -> Result<Option<bool>, ApiError> 
 
 fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
-    let cfg = ctx.orchestrator.config();
     let template = f.required_str("templateID")?.to_string();
-    let timeout_secs = f
-        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-        .unwrap_or(cfg.sandbox.default_timeout_secs);
-    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
-    let metadata = f.string_map("metadata")?;
-    let env_vars = f.string_map("envVars")?;
-    check_env("envVars", &env_vars)?;
+    let common = create_fields(ctx, &f)?;
     let cpu_count = f.int_in("cpuCount", 1..=u32::MAX as u64)?.map(|v| v as u32);
     let memory_mb = f.int_in("memoryMB", 1..=u32::MAX as u64)?.map(|v| v as u32);
-    reject_unsupported(&f)?;
-    let allow_internet_access = internet_access(ctx, &f)?;
-    let params = match f.raw("customExtensionParams") {
-        None | Some(Value::Null) => json!({}),
-        Some(v @ Value::Object(_)) => v.clone(),
-        Some(_) => {
-            return Err(ApiError::unprocessable(
-                "field customExtensionParams must be an object or null",
-            ))
-        }
-    };
+    let params = params_field(&f)?;
     let info = ctx.orchestrator.create_from_snapshot(FromSnapshot {
         template,
-        timeout_secs,
-        auto_pause,
-        metadata,
-        env_vars,
+        timeout_secs: common.timeout_secs,
+        auto_pause: common.auto_pause,
+        metadata: common.metadata,
+        env_vars: common.env_vars,
         params,
-        allow_internet_access,
+        allow_internet_access: common.allow_internet_access,
         cpu_count,
         memory_mb,
     })?;
@@ -249,33 +268,24 @@ fn resources(ctx: &Context, f: &Fields) -> Result<(u32, u32, u32), ApiError> {
 
 fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
-    let cfg = ctx.orchestrator.config();
     let image = f.required_str("image")?.trim().to_string();
     if image.is_empty() {
         return Err(ApiError::bad_request("image must not be empty"));
     }
     let (cpu_count, memory_mb, disk_size_mb) = resources(ctx, &f)?;
-    let timeout_secs = f
-        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-        .unwrap_or(cfg.sandbox.default_timeout_secs);
-    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
-    let metadata = f.string_map("metadata")?;
-    let env_vars = f.string_map("envVars")?;
-    check_env("envVars", &env_vars)?;
-    reject_unsupported(&f)?;
-    let allow_internet_access = internet_access(ctx, &f)?;
+    let common = create_fields(ctx, &f)?;
     let custom_extension_params = extension_params(ctx, &f)?;
     let info = ctx.orchestrator.create_cold(ColdStart {
         image,
         cpu_count,
         memory_mb,
         disk_size_mb,
-        timeout_secs,
-        auto_pause,
-        metadata,
-        env_vars,
+        timeout_secs: common.timeout_secs,
+        auto_pause: common.auto_pause,
+        metadata: common.metadata,
+        env_vars: common.env_vars,
         custom_extension_params,
-        allow_internet_access,
+        allow_internet_access: common.allow_internet_access,
     })?;
     Ok(created(ctx, &info, 201))
 }
