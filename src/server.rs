@@ -1,5 +1,5 @@
-//! `agentenv serve`: configuration → host checks → state dir lock → API key → network
-//! reclaim → orchestrator → HTTP API, then a graceful shutdown on SIGTERM/SIGINT.
+//! `agentenv serve`: configuration → host checks → host lock → state dir lock → API key →
+//! network reclaim → orchestrator → HTTP API, then a graceful shutdown on SIGTERM/SIGINT.
 
 use crate::api::{ApiServer, Context};
 use crate::config::{self, Config};
@@ -9,6 +9,13 @@ use crate::orchestrator::Orchestrator;
 use crate::{preflight, store, sys};
 use std::path::Path;
 use std::sync::Arc;
+
+/// The host's runtime dir: the server lock, and the VMs' short socket dirs.
+pub const RUNTIME_DIR: &str = "/run/agentenv";
+/// Held by the one server that owns this host's network (slot namespaces, `aenv-*` links,
+/// the `inet agentenv` table), whatever its state dir: a second server would reclaim the
+/// first one's network at startup. Holds the owner's pid.
+pub const HOST_LOCK: &str = "/run/agentenv/server.lock";
 
 /// A startup failure: one line for the operator, and the process exit code.
 pub struct StartupError(pub String);
@@ -31,6 +38,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     if !problems.is_empty() {
         return Err(StartupError(problems.join("\n")));
     }
+    let _host_lock = lock_host()?;
     let state_dir = &config.server.state_dir;
     store::ensure_private_dir(state_dir)?;
     let lock_path = state_dir.join("agentenv.lock");
@@ -78,6 +86,30 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     }
     log::info!("op=shutdown result=done");
     Ok(())
+}
+
+/// Takes [`HOST_LOCK`], or says which server holds it.
+fn lock_host() -> Result<sys::fs::LockFile, StartupError> {
+    let path = Path::new(HOST_LOCK);
+    std::fs::create_dir_all(RUNTIME_DIR)
+        .map_err(|e| StartupError(format!("cannot create {RUNTIME_DIR}: {e}")))?;
+    match sys::fs::try_lock_exclusive(path)? {
+        Some(lock) => {
+            lock.set_contents(&format!("{}\n", std::process::id()))?;
+            Ok(lock)
+        }
+        None => {
+            let holder = std::fs::read_to_string(path).unwrap_or_default();
+            let holder = match holder.trim() {
+                "" => String::new(),
+                pid => format!(" (pid {pid})"),
+            };
+            Err(StartupError(format!(
+                "another agentenv server runs on this host{holder} and holds {HOST_LOCK}: one \
+                 server owns a host's network slots whatever its state dir; stop it first"
+            )))
+        }
+    }
 }
 
 /// No VM outlives the server (CE §9.3): QEMU processes are bound to their supervisor

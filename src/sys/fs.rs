@@ -8,7 +8,19 @@ use std::path::Path;
 
 /// An exclusive `flock` held for as long as the value lives.
 pub struct LockFile {
-    _file: File,
+    file: File,
+}
+
+impl LockFile {
+    /// Replaces the lock file's contents with `text` (e.g. the holder's pid, for the
+    /// message a second process prints).
+    pub fn set_contents(&self, text: &str) -> SysResult<()> {
+        use std::io::Write;
+        let mut f = &self.file;
+        f.set_len(0)
+            .and_then(|()| f.write_all(text.as_bytes()))
+            .map_err(|e| SysError::from_io("write lock file", e))
+    }
 }
 
 /// Takes `flock(LOCK_EX|LOCK_NB)` on `path`, creating it. `Ok(None)` when another process
@@ -31,7 +43,7 @@ pub fn try_lock_exclusive(path: &Path) -> SysResult<Option<LockFile>> {
         }
         return Err(err);
     }
-    Ok(Some(LockFile { _file: file }))
+    Ok(Some(LockFile { file }))
 }
 
 /// fsyncs a directory so that a rename or unlink inside it is durable.

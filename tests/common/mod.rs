@@ -55,8 +55,15 @@ impl Server {
     }
 
     fn start_full(vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
-        let state_dir =
-            std::env::temp_dir().join(format!("aenv-e2e-{}-{:x}", std::process::id(), rand_u64()));
+        let mut server = Server::configure(&scratch_dir(), vm_overrides, extra_toml);
+        server.spawn();
+        server
+    }
+
+    /// Writes a config whose state dir is `<dir>/state`, without starting the process
+    /// (call [`Server::spawn`], or run the binary on `config_path` yourself).
+    pub fn configure(dir: &Path, vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
+        let state_dir = dir.to_path_buf();
         std::fs::create_dir_all(&state_dir).unwrap();
         let port = free_port();
         let config_path = state_dir.join("config.toml");
@@ -78,15 +85,13 @@ pool_min = 1
             vm = vm_table(vm_overrides),
         );
         std::fs::write(&config_path, config).unwrap();
-        let mut server = Server {
+        Server {
             child: None,
             base: format!("http://127.0.0.1:{port}"),
             state_dir: state_dir.join("state"),
             log_path: state_dir.join("server.log"),
             config_path,
-        };
-        server.spawn();
-        server
+        }
     }
 
     /// (Re)starts the process on the same config and state dir.
@@ -246,6 +251,11 @@ fn vm_table(overrides: &[(&str, String)]) -> String {
         keys.push((k, v.clone()));
     }
     keys.iter().map(|(k, v)| format!("{k} = {v}\n")).collect()
+}
+
+/// A fresh per-server directory under the temp dir.
+pub fn scratch_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("aenv-e2e-{}-{:x}", std::process::id(), rand_u64()))
 }
 
 fn rand_u64() -> u64 {
