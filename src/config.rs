@@ -144,6 +144,23 @@ impl CustomExtensionConfig {
     }
 }
 
+/// Every VM, record and capture names files by their path under the state dir, and QEMU
+/// takes them in `key=value` options and `file:` URIs: the dir must be absolute, UTF-8 and
+/// free of commas.
+fn check_state_dir(dir: &std::path::Path) -> Result<(), String> {
+    let shown = dir.display();
+    if !dir.is_absolute() {
+        return Err(format!("{shown:?} is relative; give an absolute path"));
+    }
+    match dir.to_str() {
+        None => Err(format!("{shown:?} is not UTF-8; choose another path")),
+        Some(s) if s.contains(',') => Err(format!(
+            "{s:?} holds a comma, which QEMU options cannot carry; choose another path"
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
 /// CE §1.5: http or https, a host, no query, fragment or user credentials.
 fn check_extension_url(url: &str) -> Result<(), &'static str> {
     let (scheme, rest) = url
@@ -441,6 +458,9 @@ impl Config {
         if self.server.http_threads == 0 {
             return invalid("server.http_threads", "must be at least 1".into());
         }
+        if let Err(m) = check_state_dir(&self.server.state_dir) {
+            return invalid("server.state_dir", m);
+        }
         if self.images.connect_timeout_secs == 0 {
             return invalid("images.connect_timeout_secs", "must be at least 1".into());
         }
@@ -598,6 +618,21 @@ mod tests {
         let c =
             Config::from_sources(Some(("f", "[server]\nlisten=\"127.0.0.1:1\"")), &env).unwrap();
         assert_eq!(c.server.listen, "127.0.0.1:9");
+    }
+
+    #[test]
+    fn state_dir_must_be_absolute_utf8_without_commas() {
+        let e = load("[server]\nstate_dir = \"var/lib/agentenv\"\n").unwrap_err();
+        assert!(
+            e.to_string().contains("server.state_dir") && e.to_string().contains("relative"),
+            "{e}"
+        );
+        let env = vec![("AENV_STATE_DIR".to_string(), "./state".to_string())];
+        assert!(Config::from_sources(None, &env).is_err());
+        let e = load("[server]\nstate_dir = \"/srv/a,b\"\n").unwrap_err();
+        assert!(e.to_string().contains("comma"), "{e}");
+        let long = format!("/{}", "d".repeat(120));
+        assert!(load(&format!("[server]\nstate_dir = \"{long}\"\n")).is_ok());
     }
 
     #[test]

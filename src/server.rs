@@ -39,6 +39,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
         return Err(StartupError(problems.join("\n")));
     }
     let _host_lock = lock_host()?;
+    crate::vm::qemu::remove_stale_socket_dirs();
     let state_dir = &config.server.state_dir;
     store::ensure_private_dir(state_dir)?;
     let lock_path = state_dir.join("agentenv.lock");

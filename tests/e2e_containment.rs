@@ -1,5 +1,6 @@
-//! End-to-end containment against the real server: one host has one network owner (a
-//! second server refuses to start and the first one's sandbox keeps working).
+//! End-to-end containment against the real server: a 100-character state dir works (QEMU's
+//! sockets live elsewhere); one host has one network owner (a second server refuses to
+//! start and the first one's sandbox keeps working).
 //! One server and few cold boots serve every assertion, to keep TCG boots few.
 
 mod common;
@@ -11,10 +12,52 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn hostile_hosts_and_guests_are_contained() {
-    let server = Server::start("");
-    let sandbox = server.create(json!({"image": base_image(), "timeout": 600}));
-    let id = sandbox["sandboxID"].as_str().unwrap().to_string();
+    // A 100-character state dir: QEMU's sockets do not live under it.
+    let base = scratch_dir();
+    let pad = 100usize.saturating_sub(base.as_os_str().len() + "/state".len());
+    let dir = std::path::PathBuf::from(format!("{}{}", base.display(), "x".repeat(pad)));
+    let mut server = Server::configure(&dir, &[], "");
+    assert!(server.state_dir.as_os_str().len() >= 100);
+    server.spawn();
+    let id = sandbox_from_a_template(&server);
     second_server_is_refused(&server, &id);
+}
+
+/// A template build (a cold boot and a capture) and a sandbox cloned from it.
+fn sandbox_from_a_template(s: &Server) -> String {
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            json!({"name": "t", "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+                    "diskSizeMB": 1024, "startCmd": "echo built > /root/built"}),
+        ),
+    );
+    assert_eq!(code, 202, "{t}");
+    let status = || s.call("GET", "/templates/t", None).1;
+    assert!(
+        wait_until(Duration::from_secs(120), || {
+            ["ready", "error"].contains(&status()["buildStatus"].as_str().unwrap_or(""))
+        }),
+        "{}",
+        status()
+    );
+    assert_eq!(
+        status()["buildStatus"],
+        "ready",
+        "{}\n{}",
+        status(),
+        s.log()
+    );
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "t", "timeout": 600})),
+    );
+    assert_eq!(code, 201, "{v}\n{}", s.log());
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(s.exec(&id, "cat", &["/root/built"])["stdout"], "built\n");
+    id
 }
 
 /// A second server on the host, with its own state dir, exits non-zero with a message

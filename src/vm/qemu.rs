@@ -4,6 +4,10 @@
 //! QEMU runs in the foreground as a child of the sandbox's supervisor thread, inside the
 //! slot's network namespace, with a seccomp sandbox, and dies with that thread
 //! (`PR_SET_PDEATHSIG`). No shell is involved anywhere: the argv is built here.
+//!
+//! A VM's files live in its run dir under the state dir, except its unix sockets: those
+//! go to a short private dir under [`SOCKET_ROOT`], so that no state dir is too long for
+//! `sun_path` (107 bytes).
 
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
@@ -32,14 +36,16 @@ const BASE_KERNEL_ARGS: &[&str] = &["console=ttyS0", "reboot=t", "panic=-1"];
 const MAX_CMDLINE: usize = 2048;
 /// `sun_path` is 108 bytes including the NUL.
 const MAX_SOCKET_PATH: usize = 107;
+/// Parent of every VM's socket dir (`<pid>.<n>`, one per QEMU process, mode 0700).
+pub const SOCKET_ROOT: &str = "/run/agentenv/s";
 /// How long QEMU may take to open its QMP socket.
 const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything needed to start one guest.
 #[derive(Debug)]
 pub struct VmSpec {
-    /// Per-sandbox directory: console.log, qmp.sock, agent.sock, qemu.log. Created if
-    /// missing.
+    /// Per-sandbox directory: console.log, qemu.log. Created if missing. (The sockets
+    /// live in a socket dir of their own.)
     pub run_dir: PathBuf,
     /// Guest kernel: a bzImage or a PVH `vmlinux` (see [`guest_kernel`]).
     pub kernel: PathBuf,
@@ -71,12 +77,74 @@ struct RunPaths {
 }
 
 impl RunPaths {
-    fn new(run_dir: &Path) -> RunPaths {
+    fn new(run_dir: &Path, socket_dir: &Path) -> RunPaths {
         RunPaths {
             console_log: run_dir.join("console.log"),
             qemu_log: run_dir.join("qemu.log"),
-            qmp_socket: run_dir.join("qmp.sock"),
-            agent_socket: run_dir.join("agent.sock"),
+            qmp_socket: socket_dir.join("qmp.sock"),
+            agent_socket: socket_dir.join("agent.sock"),
+        }
+    }
+}
+
+/// One QEMU process's private socket dir, `<SOCKET_ROOT>/<server pid>.<n>` (mode 0700),
+/// removed on drop.
+#[derive(Debug)]
+struct SocketDir {
+    path: PathBuf,
+}
+
+impl SocketDir {
+    fn create() -> Result<SocketDir, VmError> {
+        use std::os::unix::fs::DirBuilderExt;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let root = Path::new(SOCKET_ROOT);
+        std::fs::create_dir_all(root)
+            .map_err(|e| VmError::io(format!("cannot create {SOCKET_ROOT}"), e))?;
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = root.join(format!("{}.{n}", std::process::id()));
+        // A leftover of an earlier process that had the same pid.
+        remove_dir_if_present(&path)?;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| VmError::io(format!("cannot create socket dir {}", path.display()), e))?;
+        Ok(SocketDir { path })
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        if let Err(e) = remove_dir_if_present(&self.path) {
+            log::warn!("vm op=remove_socket_dir error=\"{e}\"");
+        }
+    }
+}
+
+fn remove_dir_if_present(path: &Path) -> Result<(), VmError> {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(VmError::io(format!("cannot remove {}", path.display()), e)),
+    }
+}
+
+/// Removes the socket dirs of processes that no longer run (a crashed server's). Those of
+/// live processes stay: they may be another program's VMs (a test run).
+pub fn remove_stale_socket_dirs() {
+    let Ok(entries) = std::fs::read_dir(SOCKET_ROOT) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name.split('.').next().unwrap_or("");
+        if pid.parse::<u32>().is_ok() && Path::new("/proc").join(pid).exists() {
+            continue;
+        }
+        match remove_dir_if_present(&entry.path()) {
+            Ok(()) => log::info!("vm op=remove_stale_socket_dir dir={name}"),
+            Err(e) => log::warn!("vm op=remove_stale_socket_dir error=\"{e}\""),
         }
     }
 }
@@ -329,6 +397,8 @@ pub struct Vm {
     exit: Option<ExitStatus>,
     qmp: Qmp,
     paths: RunPaths,
+    /// Removed after the process is reaped ([`Vm`]'s own drop runs first).
+    _sockets: SocketDir,
     accel: Accel,
     pub(crate) facts: VmFacts,
     /// Migration parameters have been set for fast saves.
@@ -398,24 +468,14 @@ impl Vm {
                 e,
             )
         })?;
-        let paths = RunPaths::new(&spec.run_dir);
+        let sockets = SocketDir::create()?;
+        let paths = RunPaths::new(&spec.run_dir, &sockets.path);
         for socket in [&paths.qmp_socket, &paths.agent_socket] {
             if socket.as_os_str().len() > MAX_SOCKET_PATH {
                 return Err(VmError::InvalidSpec(format!(
-                    "socket path {} is longer than {MAX_SOCKET_PATH} bytes; use a shorter \
-                     server.state_dir",
+                    "socket path {} is longer than {MAX_SOCKET_PATH} bytes",
                     socket.display()
                 )));
-            }
-            match std::fs::remove_file(socket) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(VmError::io(
-                        format!("cannot remove stale socket {}", socket.display()),
-                        e,
-                    ))
-                }
             }
         }
         let cmdline = match launch.cmdline {
@@ -485,6 +545,7 @@ impl Vm {
             exit: None,
             qmp,
             paths,
+            _sockets: sockets,
             accel: spec.accel,
             facts,
             migration_tuned: false,
@@ -648,6 +709,10 @@ mod tests {
         }
     }
 
+    fn paths(run_dir: &Path) -> RunPaths {
+        RunPaths::new(run_dir, Path::new("/run/agentenv/s/7.0"))
+    }
+
     fn launch(incoming: Option<&Path>) -> Launch<'_> {
         Launch {
             incoming: incoming.map_or(Incoming::None, Incoming::File),
@@ -656,7 +721,7 @@ mod tests {
     }
 
     fn argv(spec: &VmSpec, incoming: Option<&Path>) -> Vec<String> {
-        build_argv(spec, &RunPaths::new(&spec.run_dir), &launch(incoming))
+        build_argv(spec, &paths(&spec.run_dir), &launch(incoming))
             .unwrap()
             .into_iter()
             .map(|s| s.into_string().unwrap())
@@ -745,8 +810,8 @@ mod tests {
             values(&a, "-chardev"),
             [
                 "file,id=console,path=/run/agentenv/sb1/console.log,append=on",
-                "socket,id=agent,path=/run/agentenv/sb1/agent.sock,server=on,wait=off",
-                "socket,id=qmp,path=/run/agentenv/sb1/qmp.sock,server=on,wait=off",
+                "socket,id=agent,path=/run/agentenv/s/7.0/agent.sock,server=on,wait=off",
+                "socket,id=qmp,path=/run/agentenv/s/7.0/qmp.sock,server=on,wait=off",
             ]
         );
         assert_eq!(value(&a, "-serial"), "chardev:console");
@@ -761,13 +826,13 @@ mod tests {
         let a = argv(&s, Some(Path::new("/state/mem.bin")));
         assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
         assert_eq!(value(&a, "-incoming"), "file:/state/mem.bin");
-        let paths = RunPaths::new(&s.run_dir);
+        let paths = paths(&s.run_dir);
         assert!(build_argv(&s, &paths, &launch(Some(Path::new("/a,b")))).is_err());
     }
 
     #[test]
     fn bad_specs_are_refused() {
-        let paths = RunPaths::new(Path::new("/r"));
+        let paths = paths(Path::new("/r"));
         let mut s = spec(Accel::Kvm);
         s.kernel_args.push("bad\narg".into());
         assert!(build_argv(&s, &paths, &launch(None)).is_err());
