@@ -4,7 +4,8 @@
 #     nftables, e2fsprogs, busybox-static, cpio, lz4
 #  2. the guest kernel from Debian's linux-image-cloud-amd64, unpacked into the assets dir
 #     (never installed as the host's kernel)
-#  3. the release server binary and the static in-guest agent
+#  3. the release server binary, and the static binaries (server for the bundle, in-guest
+#     agent), plus the unprivileged account QEMU runs as (agentenv-vm)
 #  4. the guest initramfs (agent as /init + virtio modules)
 #  5. the built-in base image (busybox) as an OCI layout
 # Assets go to $AENV_ASSETS_DIR (default /var/lib/agentenv/assets, the config default).
@@ -38,7 +39,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 need=()
-for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils; do
+for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 major=$(qemu_major || true)
@@ -61,11 +62,16 @@ mkdir -p "$ASSETS"
 step "building the server (release)"
 (cd "$ROOT" && cargo build --release --bin agentenv)
 
-step "building the static guest agent"
-(cd "$ROOT" && RUSTFLAGS='-C target-feature=+crt-static' \
-  cargo build --release --bin agentenv-agent --target "$AGENT_TARGET")
+step "building the static server and guest agent"
+"$ROOT/scripts/build-static.sh"
 AGENT="$ROOT/target/$AGENT_TARGET/release/agentenv-agent"
 [ -x "$AGENT" ] || die "agent binary missing at $AGENT"
+
+step "account agentenv-vm"
+# The same call as packaging/install.sh.
+getent passwd agentenv-vm >/dev/null \
+  || useradd --system --user-group --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin agentenv-vm
 
 step "guest initramfs"
 "$ROOT/scripts/build-initramfs.sh" "$AGENT" "$ASSETS/modules" "$ASSETS/initramfs.img.tmp"

@@ -37,6 +37,9 @@ pub fn free_port() -> u16 {
 
 pub struct Server {
     pub child: Option<Child>,
+    /// The server binary this harness runs (the one cargo built, unless a test installed
+    /// another).
+    pub binary: PathBuf,
     pub base: String,
     pub state_dir: PathBuf,
     pub log_path: PathBuf,
@@ -52,6 +55,15 @@ impl Server {
     /// Starts a server with some `[vm]` keys overridden (values are TOML literals).
     pub fn start_with_vm(vm: &[(&str, String)]) -> Server {
         Server::start_full(vm, "")
+    }
+
+    /// Starts another server binary (e.g. one installed from the bundle) with some `[vm]`
+    /// keys overridden.
+    pub fn start_binary(binary: &Path, vm: &[(&str, String)]) -> Server {
+        let mut server = Server::configure(&scratch_dir(), vm, "");
+        server.binary = binary.to_path_buf();
+        server.spawn();
+        server
     }
 
     fn start_full(vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
@@ -87,6 +99,7 @@ pool_min = 1
         std::fs::write(&config_path, config).unwrap();
         Server {
             child: None,
+            binary: PathBuf::from(env!("CARGO_BIN_EXE_agentenv")),
             base: format!("http://127.0.0.1:{port}"),
             state_dir: state_dir.join("state"),
             log_path: state_dir.join("server.log"),
@@ -107,7 +120,7 @@ pool_min = 1
             .append(true)
             .open(&self.log_path)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_agentenv"))
+        let child = Command::new(&self.binary)
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")

@@ -1,0 +1,279 @@
+//! The appliance: the static server binary, `scripts/bundle.sh`, and the bundle's
+//! `install.sh` into a temporary root (install, upgrade over an install, run the installed
+//! binary, uninstall, purge). Needs what `scripts/setup.sh` builds: the static binaries and
+//! the guest assets.
+
+mod common;
+
+use common::{assets_dir, Server};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Where scripts/build-static.sh (run by scripts/setup.sh) puts the static binaries.
+fn static_binary(name: &str) -> PathBuf {
+    let path = repo()
+        .join("target/x86_64-unknown-linux-gnu/release")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} missing: run scripts/setup.sh (or scripts/build-static.sh) first",
+        path.display()
+    );
+    path
+}
+
+/// The ELF program header types of a 64-bit little-endian ELF file.
+fn program_header_types(path: &Path) -> Vec<u32> {
+    let elf = std::fs::read(path).unwrap();
+    assert_eq!(&elf[..4], b"\x7fELF", "{} is not ELF", path.display());
+    assert_eq!(elf[4], 2, "{} is not a 64-bit ELF", path.display());
+    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap()) as usize;
+    let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    (0..phnum)
+        .map(|i| {
+            let o = phoff + i * phentsize;
+            u32::from_le_bytes(elf[o..o + 4].try_into().unwrap())
+        })
+        .collect()
+}
+
+const PT_LOAD: u32 = 1;
+const PT_INTERP: u32 = 3;
+
+#[test]
+fn static_binaries_have_no_interpreter() {
+    for name in ["agentenv", "agentenv-agent"] {
+        let path = static_binary(name);
+        let types = program_header_types(&path);
+        assert!(types.contains(&PT_LOAD), "{name}: no PT_LOAD: {types:?}");
+        assert!(
+            !types.contains(&PT_INTERP),
+            "{name} has an ELF interpreter: it needs a dynamic loader and the host's libc"
+        );
+        // A static-pie binary relocates itself (PT_DYNAMIC without PT_INTERP); what matters
+        // is that it names no shared library: ldd must say so.
+        let out = Command::new("ldd").arg(&path).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            text.contains("statically linked") || text.contains("not a dynamic"),
+            "{name}: ldd says {text}"
+        );
+    }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// Bundles, installs into a temporary root, installs again over it (an upgrade), starts the
+/// installed binary on the installed assets, then uninstalls and purges.
+#[test]
+fn bundle_installs_runs_and_uninstalls_in_a_root() {
+    let work = repo()
+        .join("target/tmp")
+        .join(format!("bundle-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+
+    let out = run(Command::new(repo().join("scripts/bundle.sh"))
+        .arg("--binary")
+        .arg(static_binary("agentenv"))
+        .arg("--assets")
+        .arg(assets_dir())
+        .arg("--out")
+        .arg(work.join("out")));
+    let tarball = PathBuf::from(out.lines().last().unwrap().trim());
+    let name = tarball.file_name().unwrap().to_string_lossy().to_string();
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(name, format!("agentenv-{version}-x86_64-linux.tar.gz"));
+    let size = std::fs::metadata(&tarball).unwrap().len();
+    eprintln!("bundle {name}: {:.1} MiB", size as f64 / 1048576.0);
+
+    run(Command::new("tar")
+        .arg("-C")
+        .arg(&work)
+        .arg("-xzf")
+        .arg(&tarball));
+    let bundle = work.join(name.trim_end_matches(".tar.gz"));
+    for f in [
+        "bin/agentenv",
+        "assets/initramfs.img",
+        "assets/base-image/index.json",
+        "config/config.toml",
+        "systemd/agentenv.service",
+        "doc/operations.md",
+        "install.sh",
+        "VERSION",
+    ] {
+        assert!(bundle.join(f).exists(), "bundle lacks {f}");
+    }
+    assert!(
+        bundle.join("assets/vmlinux").is_file() || bundle.join("assets/vmlinuz").is_file(),
+        "bundle has no guest kernel"
+    );
+
+    // Install into an empty root; then an operator edits the config and installs again.
+    let root = work.join("root");
+    let install = |extra: &[&str]| {
+        run(Command::new(bundle.join("install.sh"))
+            .arg("--root")
+            .arg(&root)
+            .args(extra))
+    };
+    let said = install(&[]);
+    assert!(said.contains("api-key"), "no API key location in:\n{said}");
+    let bin = root.join("usr/local/bin/agentenv");
+    let config = root.join("etc/agentenv/config.toml");
+    let unit = root.join("etc/systemd/system/agentenv.service");
+    let assets = root.join("var/lib/agentenv/assets");
+    for p in [&bin, &config, &unit, &assets.join("initramfs.img")] {
+        assert!(p.exists(), "{} not installed", p.display());
+    }
+    assert_eq!(
+        std::fs::read(&config).unwrap(),
+        std::fs::read(repo().join("config/default.toml")).unwrap()
+    );
+    let edited = format!(
+        "{}\n# edited by the operator\n",
+        std::fs::read_to_string(&config).unwrap()
+    );
+    std::fs::write(&config, &edited).unwrap();
+    std::fs::write(root.join("var/lib/agentenv/marker"), "state").unwrap();
+    install(&[]);
+    assert_eq!(
+        std::fs::read_to_string(&config).unwrap(),
+        edited,
+        "an upgrade overwrote the operator's config"
+    );
+    assert!(
+        root.join("var/lib/agentenv/marker").exists(),
+        "upgrade lost state"
+    );
+
+    let version_out = run(Command::new(&bin).arg("--version"));
+    assert_eq!(version_out.trim(), format!("agentenv {version}"));
+
+    // The installed binary serves from the installed assets.
+    {
+        let mut server = Server::start_binary(
+            &bin,
+            &[("assets_dir", format!("{:?}", assets.display().to_string()))],
+        );
+        let (status, body) = server.call("GET", "/sandboxes", None);
+        assert_eq!(status, 200, "{body}");
+        server.stop();
+    }
+
+    // Uninstall keeps the state dir and the edited config.
+    let said = run(
+        Command::new(root.join("usr/local/share/agentenv/install.sh"))
+            .arg("--root")
+            .arg(&root)
+            .arg("--uninstall"),
+    );
+    assert!(said.contains("kept"), "{said}");
+    for gone in [&bin, &unit, &assets, &root.join("usr/local/share/agentenv")] {
+        assert!(!gone.exists(), "{} left after uninstall", gone.display());
+    }
+    assert!(root.join("var/lib/agentenv/marker").exists());
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), edited);
+
+    // Purge removes the rest.
+    run(Command::new(bundle.join("install.sh"))
+        .arg("--root")
+        .arg(&root)
+        .args(["--uninstall", "--purge"]));
+    assert!(!root.join("var/lib/agentenv").exists());
+    assert!(!root.join("etc/agentenv").exists());
+
+    // An unedited config goes with a plain uninstall.
+    install(&[]);
+    run(Command::new(bundle.join("install.sh"))
+        .arg("--root")
+        .arg(&root)
+        .arg("--uninstall"));
+    assert!(!config.exists(), "the untouched default config was kept");
+    assert!(root.join("var/lib/agentenv").exists());
+
+    std::fs::remove_dir_all(&work).unwrap();
+}
+
+#[test]
+fn systemd_unit_keeps_vms_alive_for_graceful_shutdown() {
+    let unit = std::fs::read_to_string(repo().join("packaging/agentenv.service")).unwrap();
+    let key = |k: &str| {
+        unit.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("unit has no {k}="))
+            .trim()
+            .to_string()
+    };
+    // SIGTERM to QEMU as well would kill the VMs before the server can pause them.
+    assert_eq!(key("KillMode"), "mixed");
+    let stop: u64 = key("TimeoutStopSec").parse().unwrap();
+    let default = agentenv::config::Config::load(None).unwrap();
+    assert!(
+        stop > default.server.shutdown_timeout_secs,
+        "TimeoutStopSec={stop} must exceed shutdown_timeout_secs"
+    );
+    assert_eq!(
+        key("ExecStart"),
+        "/usr/local/bin/agentenv serve --config /etc/agentenv/config.toml"
+    );
+    // Options that give the service its own mount namespace would hide the netns bind
+    // mounts from the host.
+    for k in [
+        "PrivateTmp",
+        "ProtectHome",
+        "ProtectSystem",
+        "PrivateDevices",
+    ] {
+        assert!(
+            !unit.lines().any(|l| l.starts_with(&format!("{k}="))),
+            "{k} breaks netns files or /dev/kvm"
+        );
+    }
+    assert!(
+        !unit.lines().any(|l| l.starts_with("ExecReload=")),
+        "there is no config reload"
+    );
+
+    // systemd's own parser: every key known, every value valid. It checks that ExecStart
+    // exists, so point it at a binary that does.
+    let dir = repo()
+        .join("target/tmp")
+        .join(format!("unit-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("agentenv.service");
+    std::fs::write(
+        &copy,
+        unit.replace("/usr/local/bin/agentenv", env!("CARGO_BIN_EXE_agentenv")),
+    )
+    .unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&copy)
+        .output()
+        .expect("systemd-analyze (package systemd) is needed to check the unit");
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
