@@ -1,5 +1,5 @@
 //! End-to-end containment against the real server: a 100-character state dir works (QEMU's
-//! sockets live elsewhere); one host has one network owner (a second server refuses to
+//! sockets live elsewhere); a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
 //! start and the first one's sandbox keeps working).
 //! One server and few cold boots serve every assertion, to keep TCG boots few.
 
@@ -20,7 +20,47 @@ fn hostile_hosts_and_guests_are_contained() {
     assert!(server.state_dir.as_os_str().len() >= 100);
     server.spawn();
     let id = sandbox_from_a_template(&server);
+    console_flood_is_bounded(&server, &id);
     second_server_is_refused(&server, &id);
+}
+
+/// `yes … > /dev/console` in a guest: the console log rotates at 2 MiB and keeps one
+/// older file, whatever the guest writes.
+fn console_flood_is_bounded(s: &Server, id: &str) {
+    const FLOOD: u64 = 6 * 1024 * 1024;
+    const FILE_MAX: u64 = 2 * 1024 * 1024;
+    let log = s.state_dir.join("sandboxes").join(id).join("console.log");
+    let rotated = log.with_file_name("console.log.1");
+    assert!(log.is_file(), "no console log at {}", log.display());
+    let (code, v) = s.call(
+        "POST",
+        &format!("/sandboxes/{id}/commands"),
+        Some(json!({"cmd": "sh", "args": ["-c",
+            format!("yes console-flood-console-flood | head -c {FLOOD} > /dev/console; echo done")],
+            "timeoutMs": 300_000})),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "done\n", "{v}");
+    let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    // The writer thread may still drain the pipe's last bytes.
+    assert!(
+        wait_until(Duration::from_secs(10), || size(&rotated) == FILE_MAX),
+        "console.log.1 is {} bytes",
+        size(&rotated)
+    );
+    assert!(
+        size(&log) <= FILE_MAX,
+        "console.log is {} bytes",
+        size(&log)
+    );
+    let names: Vec<_> = std::fs::read_dir(log.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("console"))
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    let v = s.exec(id, "echo", &["alive"]);
+    assert_eq!(v["stdout"], "alive\n", "{v}");
 }
 
 /// A template build (a cold boot and a capture) and a sandbox cloned from it.

@@ -1,6 +1,8 @@
 //! End-to-end slot tests against the real kernel (run as root). They share the fixed
 //! names `agentenv-ns-<n>` / `aenv-<n>`, and a manager's start reclaims every leftover, so
-//! they run one at a time under [`SERIAL`]; each cleans up even when it fails.
+//! they run one at a time under [`SERIAL`], and only while no server owns the host
+//! (they hold its host lock, [`crate::server::HOST_LOCK`]); each cleans up even when it
+//! fails.
 
 use super::*;
 use crate::config::{Config, NetworkConfig};
@@ -11,6 +13,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// One test at a time, and no server on the host meanwhile (its slots would be reclaimed).
+fn serial() -> (
+    parking_lot::MutexGuard<'static, ()>,
+    crate::sys::fs::LockFile,
+) {
+    let guard = SERIAL.lock();
+    std::fs::create_dir_all(crate::server::RUNTIME_DIR).unwrap();
+    let lock =
+        crate::sys::fs::lock_exclusive(std::path::Path::new(crate::server::HOST_LOCK)).unwrap();
+    (guard, lock)
+}
 
 fn cfg(max_slots: u32, pool_min: u32, pool_max: u32) -> NetworkConfig {
     let mut n = Config::from_sources(None, &[]).unwrap().network;
@@ -76,7 +90,7 @@ fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn slot_is_built_as_specified_and_leaves_nothing() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     let m = SlotManager::start(&cfg(4, 0, 2), &[]).unwrap();
     guard.0 = Some(m.clone());
@@ -164,7 +178,7 @@ fn slot_is_built_as_specified_and_leaves_nothing() {
 
 #[test]
 fn pool_reuse_and_dirty_slot_destroyed() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     let m = SlotManager::start(&cfg(4, 1, 2), &[]).unwrap();
     guard.0 = Some(m.clone());
@@ -219,7 +233,7 @@ fn pool_reuse_and_dirty_slot_destroyed() {
 
 #[test]
 fn no_free_slot_when_full() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     let m = SlotManager::start(&cfg(2, 0, 2), &[]).unwrap();
     guard.0 = Some(m.clone());
@@ -234,7 +248,7 @@ fn no_free_slot_when_full() {
 
 #[test]
 fn startup_reclaims_leftovers_but_keeps_others() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     for args in [
         &["ip", "netns", "add", "agentenv-ns-3"][..],
@@ -295,7 +309,7 @@ fn connect_from(ns: Option<&std::fs::File>, to: SocketAddr) -> bool {
 
 #[test]
 fn slots_are_isolated() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     let m = SlotManager::start(&cfg(4, 0, 2), &[]).unwrap();
     guard.0 = Some(m.clone());
@@ -349,7 +363,7 @@ fn slots_are_isolated() {
 
 #[test]
 fn create_and_destroy_timing() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let _guard = Cleanup(None);
     let m = SlotManager::start(&cfg(64, 0, 0), &[]).unwrap();
     let host = super::host::RealHost::new();
@@ -382,7 +396,7 @@ fn create_and_destroy_timing() {
 
 #[test]
 fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
-    let _g = SERIAL.lock();
+    let _g = serial();
     let mut guard = Cleanup(None);
     let mut c = cfg(8, 0, 4);
     c.outbound = true;

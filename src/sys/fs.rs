@@ -26,6 +26,27 @@ impl LockFile {
 /// Takes `flock(LOCK_EX|LOCK_NB)` on `path`, creating it. `Ok(None)` when another process
 /// holds it.
 pub fn try_lock_exclusive(path: &Path) -> SysResult<Option<LockFile>> {
+    lock(path, libc::LOCK_EX | libc::LOCK_NB)
+}
+
+/// Takes `flock(LOCK_EX)` on `path`, creating it, waiting while another process holds it.
+pub fn lock_exclusive(path: &Path) -> SysResult<LockFile> {
+    loop {
+        match lock(path, libc::LOCK_EX) {
+            Ok(Some(lock)) => return Ok(lock),
+            Err(e) if e.errno() == Some(libc::EINTR) => continue,
+            Err(e) => return Err(e),
+            Ok(None) => {
+                return Err(SysError::from_errno(
+                    format!("flock {}", path.display()),
+                    libc::EWOULDBLOCK,
+                ))
+            }
+        }
+    }
+}
+
+fn lock(path: &Path, operation: libc::c_int) -> SysResult<Option<LockFile>> {
     let file = OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -35,7 +56,7 @@ pub fn try_lock_exclusive(path: &Path) -> SysResult<Option<LockFile>> {
         .open(path)
         .map_err(|e| SysError::from_io(format!("open {}", path.display()), e))?;
     // SAFETY: flock on a valid, owned file descriptor; no memory is passed.
-    let ret = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    let ret = unsafe { libc::flock(file.as_raw_fd(), operation) };
     if ret < 0 {
         let err = SysError::last(format!("flock {}", path.display()));
         if err.errno() == Some(libc::EWOULDBLOCK) {

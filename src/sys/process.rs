@@ -10,12 +10,42 @@ use std::process::{Child, Command, ExitStatus};
 /// - enters the network namespace `netns` (an open `/proc/.../ns/net` or bind-mounted
 ///   namespace file) when given;
 /// - gets `parent_death_signal` (e.g. `libc::SIGKILL`) when the thread that spawned it
-///   exits, so a child never outlives its supervisor thread.
+///   exits, so a child never outlives its supervisor thread;
+/// - has each `(source, number)` of `fds` open as `number` (without `O_CLOEXEC`): the fds
+///   it inherits. Every other fd of this process is `O_CLOEXEC` and does not reach it.
 ///
-/// The caller keeps `netns` open until `spawn` has returned.
-pub fn configure_child(cmd: &mut Command, netns: Option<RawFd>, parent_death_signal: Option<i32>) {
+/// The caller keeps `netns` and every source fd open until `spawn` has returned.
+pub fn configure_child(
+    cmd: &mut Command,
+    netns: Option<RawFd>,
+    parent_death_signal: Option<i32>,
+    fds: &[(RawFd, RawFd)],
+) {
     let parent = std::process::id() as libc::pid_t;
+    let fds: Vec<(RawFd, RawFd)> = fds.to_vec();
+    // Sources are first moved above every target, so that no dup2 overwrites a source
+    // that is still to be moved.
+    let above = fds.iter().map(|&(_, n)| n).max().unwrap_or(2) + 1;
     let hook = move || -> io::Result<()> {
+        let mut moved = [0 as RawFd; 16];
+        if fds.len() > moved.len() {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        for (i, &(source, _)) in fds.iter().enumerate() {
+            // SAFETY: fcntl(F_DUPFD_CLOEXEC) only reads its integer arguments; a bad fd
+            // yields EBADF, reported as the spawn error.
+            let fd = unsafe { libc::fcntl(source, libc::F_DUPFD_CLOEXEC, above) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            moved[i] = fd;
+        }
+        for (i, &(_, number)) in fds.iter().enumerate() {
+            // SAFETY: dup2 only reads its integer arguments; the new fd has no CLOEXEC.
+            if unsafe { libc::dup2(moved[i], number) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         if let Some(signal) = parent_death_signal {
             // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number by value and touches no
             // memory; it is async-signal-safe, as required between fork and exec.
@@ -40,8 +70,8 @@ pub fn configure_child(cmd: &mut Command, netns: Option<RawFd>, parent_death_sig
         Ok(())
     };
     // SAFETY: the hook runs in the forked child before exec and calls only async-signal-safe
-    // functions (prctl, getppid, setns, errno reads); it allocates only on its error paths,
-    // which std tolerates for `pre_exec` errors.
+    // functions (fcntl, dup2, prctl, getppid, setns, errno reads); it allocates only on its
+    // error paths, which std tolerates for `pre_exec` errors.
     unsafe {
         cmd.pre_exec(hook);
     }
@@ -87,7 +117,7 @@ mod tests {
     fn kill_and_reap_leaves_no_process() {
         let mut cmd = Command::new("sleep");
         cmd.arg("30").stdin(Stdio::null());
-        configure_child(&mut cmd, None, Some(libc::SIGKILL));
+        configure_child(&mut cmd, None, Some(libc::SIGKILL), &[]);
         let mut child = cmd.spawn().unwrap();
         let pid = child.id();
         let status = kill_and_reap(&mut child).unwrap();
@@ -102,7 +132,7 @@ mod tests {
         let mut child = std::thread::spawn(|| {
             let mut cmd = Command::new("sleep");
             cmd.arg("30").stdin(Stdio::null());
-            configure_child(&mut cmd, None, Some(libc::SIGKILL));
+            configure_child(&mut cmd, None, Some(libc::SIGKILL), &[]);
             // Handed back unreaped: the thread exits and the kernel kills the child.
             cmd.spawn().unwrap()
         })
@@ -121,9 +151,34 @@ mod tests {
     }
 
     #[test]
+    fn passed_fds_arrive_at_their_numbers() {
+        let (reader, writer) = std::io::pipe().unwrap();
+        let (reader2, writer2) = std::io::pipe().unwrap();
+        use std::os::fd::AsRawFd;
+        let mut cmd = Command::new("sh");
+        // Writes into fd 3 and fd 4 (swapped on purpose against their source numbers).
+        cmd.args(["-c", "echo three >&3; echo four >&4"]);
+        configure_child(
+            &mut cmd,
+            None,
+            None,
+            &[(writer2.as_raw_fd(), 4), (writer.as_raw_fd(), 3)],
+        );
+        let status = cmd.status().unwrap();
+        drop((writer, writer2));
+        assert!(status.success());
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut &reader, &mut out).unwrap();
+        assert_eq!(out, "three\n");
+        out.clear();
+        std::io::Read::read_to_string(&mut &reader2, &mut out).unwrap();
+        assert_eq!(out, "four\n");
+    }
+
+    #[test]
     fn bad_netns_fd_fails_the_spawn() {
         let mut cmd = Command::new("true");
-        configure_child(&mut cmd, Some(987_654), None);
+        configure_child(&mut cmd, Some(987_654), None, &[]);
         let e = cmd.spawn().unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EBADF));
     }

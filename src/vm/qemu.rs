@@ -38,6 +38,8 @@ const MAX_CMDLINE: usize = 2048;
 const MAX_SOCKET_PATH: usize = 107;
 /// Parent of every VM's socket dir (`<pid>.<n>`, one per QEMU process, mode 0700).
 pub const SOCKET_ROOT: &str = "/run/agentenv/s";
+/// The fd QEMU inherits for its serial console: a pipe into [`super::console`]'s writer.
+const CONSOLE_FD: i32 = 3;
 /// How long QEMU may take to open its QMP socket.
 const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -293,10 +295,11 @@ fn build_argv(
     });
 
     let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
-    let console = opt_path(&paths.console_log)?;
     push(&[
+        "-add-fd",
+        &format!("fd={CONSOLE_FD},set={CONSOLE_FD},opaque=console"),
         "-chardev",
-        &format!("file,id=console,path={console},append=on"),
+        &format!("file,id=console,path=/dev/fdset/{CONSOLE_FD},append=on"),
         "-serial",
         "chardev:console",
     ]);
@@ -399,6 +402,8 @@ pub struct Vm {
     paths: RunPaths,
     /// Removed after the process is reaped ([`Vm`]'s own drop runs first).
     _sockets: SocketDir,
+    /// The console writer thread; it ends once the process is gone.
+    console: Option<std::thread::JoinHandle<()>>,
     accel: Accel,
     pub(crate) facts: VmFacts,
     /// Migration parameters have been set for fast saves.
@@ -496,6 +501,8 @@ impl Vm {
         let log_err = log
             .try_clone()
             .map_err(|e| VmError::io("cannot duplicate the qemu log fd", e))?;
+        let (console_out, console_in) =
+            std::io::pipe().map_err(|e| VmError::io("cannot create the console pipe", e))?;
         let mut cmd = Command::new(&binary);
         cmd.args(&argv)
             .current_dir(&spec.run_dir)
@@ -506,16 +513,24 @@ impl Vm {
             &mut cmd,
             spec.netns.as_ref().map(|f| f.as_raw_fd()),
             Some(libc::SIGKILL),
+            &[(console_in.as_raw_fd(), CONSOLE_FD)],
         );
         let started = Instant::now();
         let child = cmd.spawn().map_err(|source| VmError::Spawn {
             binary: binary.clone(),
             source,
         })?;
-        // The child has entered the namespace (or failed to); our fd is no longer needed.
+        // The child has entered the namespace (or failed to) and holds its own copies.
         drop(spec.netns);
+        drop(console_in);
         let pid = child.id();
         let mut guard = ChildGuard(Some(child));
+        let console = super::console::spawn_writer(
+            console_out,
+            paths.console_log.clone(),
+            super::console::CONSOLE_FILE_MAX,
+        )
+        .map_err(|e| VmError::io("cannot start the console writer thread", e))?;
         let qmp = connect_qmp(guard.0.as_mut().expect("set above"), &paths)?;
         let child = guard.0.take().expect("set above");
         log::info!(
@@ -546,6 +561,7 @@ impl Vm {
             qmp,
             paths,
             _sockets: sockets,
+            console: Some(console),
             accel: spec.accel,
             facts,
             migration_tuned: false,
@@ -618,15 +634,20 @@ impl Vm {
     }
 
     fn reap(&mut self) {
-        if self.exit.is_some() {
-            return;
-        }
-        match kill_and_reap(&mut self.child) {
-            Ok(status) => {
-                log::debug!("vm op=kill pid={} status={status}", self.child.id());
-                self.exit = Some(status);
+        if self.exit.is_none() {
+            match kill_and_reap(&mut self.child) {
+                Ok(status) => {
+                    log::debug!("vm op=kill pid={} status={status}", self.child.id());
+                    self.exit = Some(status);
+                }
+                Err(e) => log::warn!("vm op=kill pid={} error={e}", self.child.id()),
             }
-            Err(e) => log::warn!("vm op=kill pid={} error={e}", self.child.id()),
+        }
+        // With QEMU gone the pipe ends, and the console log is complete.
+        if self.exit.is_some() {
+            if let Some(console) = self.console.take() {
+                let _ = console.join();
+            }
         }
     }
 }
@@ -806,10 +827,11 @@ mod tests {
                 "virtserialport,chardev=agent,name=agentenv",
             ]
         );
+        assert_eq!(value(&a, "-add-fd"), "fd=3,set=3,opaque=console");
         assert_eq!(
             values(&a, "-chardev"),
             [
-                "file,id=console,path=/run/agentenv/sb1/console.log,append=on",
+                "file,id=console,path=/dev/fdset/3,append=on",
                 "socket,id=agent,path=/run/agentenv/s/7.0/agent.sock,server=on,wait=off",
                 "socket,id=qmp,path=/run/agentenv/s/7.0/qmp.sock,server=on,wait=off",
             ]
