@@ -53,6 +53,15 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// A fresh 256-bit secret in hex (the envd access token).
+pub fn new_secret() -> String {
+    let mut bytes = [0u8; 32];
+    // getrandom(2) without flags waits until the kernel pool is ready and cannot fail
+    // for a valid buffer (EINTR is retried inside), so a failure is a broken kernel.
+    crate::sys::fs::random_bytes(&mut bytes).expect("getrandom(2) failed");
+    hex(&bytes)
+}
+
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

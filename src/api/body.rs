@@ -121,15 +121,6 @@ impl Fields {
         Ok(Some(n as u64))
     }
 
-    pub fn required_int_in(
-        &self,
-        key: &str,
-        range: std::ops::RangeInclusive<u64>,
-    ) -> Result<u64, ApiError> {
-        self.int_in(key, range)?
-            .ok_or_else(|| ApiError::unprocessable(format!("missing required field {key}")))
-    }
-
     /// An object of string values.
     pub fn string_map(&self, key: &str) -> Result<BTreeMap<String, String>, ApiError> {
         match self.get(key) {

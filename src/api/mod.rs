@@ -2,6 +2,7 @@
 //! orchestrator errors to statuses. A bounded pool of worker threads serves `tiny_http`.
 
 mod body;
+mod envd_proxy;
 mod error;
 mod models;
 mod query;
@@ -62,16 +63,24 @@ impl ApiServer {
         let server = tiny_http::Server::http(listen)
             .map_err(|e| format!("cannot listen on {listen}: {e}; set server.listen or AENV_LISTEN_ADDR to a free address"))?;
         let server = Arc::new(server);
+        let envd = Arc::new(envd_proxy::EnvdProxy::new(
+            ctx.orchestrator.clone(),
+            ctx.api_key.clone(),
+        ));
         let ctx = Arc::new(ctx);
         let workers = (0..threads)
             .map(|i| {
                 let server = server.clone();
                 let ctx = ctx.clone();
+                let envd = envd.clone();
                 std::thread::Builder::new()
                     .name(format!("http-{i}"))
                     .spawn(move || {
                         while let Ok(request) = server.recv() {
-                            serve_one(&ctx, request);
+                            // Requests for a sandbox's envd go to stream threads.
+                            if let Some(request) = envd.divert(request) {
+                                serve_one(&ctx, request);
+                            }
                         }
                     })
                     .expect("spawn http worker")

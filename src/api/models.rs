@@ -4,8 +4,15 @@ use crate::orchestrator::{SandboxInfo, SnapshotRecord, TemplateBuild};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
 
-/// `Sandbox` (§3.1).
+/// `Sandbox` (§3.1): what create, connect and fork answer, with the envd access token.
 pub fn sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
+    let mut v = identity(info, envd_version);
+    with_token(&mut v, info);
+    v
+}
+
+/// The fields every sandbox body starts with.
+fn identity(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = json!({
         "sandboxID": info.id,
         "templateID": info.template_id,
@@ -19,9 +26,17 @@ pub fn sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
     v
 }
 
-/// `ListedSandbox` (§3.2): `SandboxDetail` without `lifecycle`.
+/// `envdAccessToken` [E2B]: the credential of the sandbox's envd (docs/e2b.md). Not in
+/// lists, as E2B's `ListedSandbox` has none.
+fn with_token(v: &mut Value, info: &SandboxInfo) {
+    if !info.envd_access_token.is_empty() {
+        v["envdAccessToken"] = json!(info.envd_access_token);
+    }
+}
+
+/// `ListedSandbox` (§3.2): `SandboxDetail` without `lifecycle` and the token.
 pub fn listed_sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
-    let mut v = sandbox(info, envd_version);
+    let mut v = identity(info, envd_version);
     let extra = json!({
         "startedAt": rfc3339(info.started_at),
         "endAt": rfc3339(info.end_at),
@@ -39,6 +54,8 @@ pub fn listed_sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
 /// `SandboxDetail` (§3.2).
 pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = listed_sandbox(info, envd_version);
+    with_token(&mut v, info);
+    v["allowInternetAccess"] = json!(info.internet_access);
     v["lifecycle"] = json!({
         "autoResume": false,
         "onTimeout": if info.auto_pause { "pause" } else { "kill" },

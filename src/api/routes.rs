@@ -10,6 +10,8 @@ use tiny_http::{Method, Request};
 
 /// Longest timeout a sandbox may have, in seconds (one year).
 const MAX_TIMEOUT_SECS: u64 = 31_536_000;
+/// A connect without `timeout` (the E2B SDKs send `{}`): E2B's default (api.md §4.10).
+const CONNECT_DEFAULT_TIMEOUT_SECS: u64 = 300;
 
 pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let url = req.url().to_string();
@@ -31,7 +33,10 @@ pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         (["sandboxes-cold"], Method::Post) => create_cold(ctx, req),
         (["sandboxes-cold"], _) => allow(&["POST"]),
         (["v2", "sandboxes"], Method::Get) => list_v2(ctx, query),
-        (["v2", "sandboxes"], _) => allow(&["GET"]),
+        (["v2", "sandboxes"], Method::Post) => create_from_template(ctx, req),
+        (["v2", "sandboxes"], _) => allow(&["GET", "POST"]),
+        (["v2", "sandboxes", id, "connect"], Method::Post) => connect(ctx, req, id, true),
+        (["v2", "sandboxes", _, "connect"], _) => allow(&["POST"]),
         (["snapshots"], Method::Get) => list_snapshots(ctx, query),
         (["snapshots"], _) => allow(&["GET"]),
         (["snapshots", name], Method::Get) => get_snapshot(ctx, name),
@@ -430,21 +435,26 @@ fn set_timeout(
     Ok(Reply::Empty(204))
 }
 
-/// `connect` (timeout required, expiry only extended) and `resume` (optional, reset).
+/// `connect` (timeout defaults to 300 s, expiry only extended) and `resume` (timeout
+/// defaults to the server's, expiry reset).
 fn connect(
     ctx: &Context,
     req: &mut Request,
     id: &str,
     is_connect: bool,
 ) -> Result<Reply, ApiError> {
-    let f = body(ctx, req)?;
-    let secs = if is_connect {
-        f.required_int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-    } else {
-        f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-            .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs)
-    };
     let id = checked_id(id)?;
+    // An unknown sandbox is 404 before any body check (api.md §4.10).
+    ctx.orchestrator.get(id)?;
+    let f = body(ctx, req)?;
+    let default = if is_connect {
+        CONNECT_DEFAULT_TIMEOUT_SECS
+    } else {
+        ctx.orchestrator.config().sandbox.default_timeout_secs
+    };
+    let secs = f
+        .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
+        .unwrap_or(default);
     let connected = ctx.orchestrator.connect(id, secs, is_connect)?;
     // Resume answers 201 either way; connect answers 200 when it only extended the TTL.
     let status = if is_connect && !connected.resumed {

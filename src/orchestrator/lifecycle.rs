@@ -113,6 +113,7 @@ mod tests {
             state,
             host_ip: std::net::Ipv4Addr::LOCALHOST,
             netns_path: "/x".into(),
+            envd_access_token: String::new(),
         };
         SandboxEntry::new(info, None)
     }

@@ -6,6 +6,7 @@
 //! lifecycle operations and run concurrently. No global lock is held across a VM
 //! operation, an image build or a slot allocation.
 
+mod envd;
 mod error;
 mod expiry;
 mod lifecycle;
@@ -17,6 +18,7 @@ mod snapshots;
 mod supervisor;
 mod templates;
 
+pub use envd::{EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use snapshots::SnapshotRecord;
@@ -106,6 +108,8 @@ pub(crate) struct Shared {
     pub builds: templates::Builds,
     pub operations: OperationCounters,
     pub shutting_down: AtomicBool,
+    /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
+    pub gone: envd::GoneTokens,
 }
 
 impl Shared {
@@ -133,7 +137,11 @@ impl Shared {
 
     /// Removes a sandbox from the registry; later calls see 404.
     pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
-        self.sandboxes.write().remove(id)
+        let entry = self.sandboxes.write().remove(id);
+        if let Some(entry) = &entry {
+            self.gone.remember(id, &entry.info.lock().envd_access_token);
+        }
+        entry
     }
 }
 
@@ -176,6 +184,7 @@ impl Orchestrator {
             builds,
             operations: OperationCounters::default(),
             shutting_down: AtomicBool::new(false),
+            gone: envd::GoneTokens::default(),
         });
         expiry::spawn(Arc::downgrade(&shared));
         Orchestrator { shared }
@@ -524,6 +533,16 @@ impl Orchestrator {
         let entry = self.entry(id)?;
         let agent = self.agent_for(&entry, id, Call::Commands)?;
         Ok(agent.write_file(path, len, body)?)
+    }
+
+    /// How the envd proxy reaches sandbox `id`, if at all.
+    pub fn envd_route(&self, id: &str) -> EnvdRoute {
+        envd::route(&self.shared, id)
+    }
+
+    /// Whether VM `instance` still runs sandbox `id`.
+    pub fn envd_instance_alive(&self, id: &str, instance: u64) -> bool {
+        envd::instance_alive(&self.shared, id, instance)
     }
 
     /// Prometheus text for `GET /metrics`.

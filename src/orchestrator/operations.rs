@@ -125,7 +125,7 @@ pub(crate) fn boot_fresh(
         },
     )?;
     Ok(Booted {
-        runtime: RuntimeHandle { ops, agent },
+        runtime: RuntimeHandle::new(ops, agent),
         host_ip,
         netns_path,
     })
@@ -404,7 +404,7 @@ fn restore_paused(
         },
     );
     match started {
-        Ok((ops, agent)) => Ok((RuntimeHandle { ops, agent }, facts)),
+        Ok((ops, agent)) => Ok((RuntimeHandle::new(ops, agent), facts)),
         Err(e) => {
             remove_top();
             Err(e)
@@ -526,6 +526,7 @@ impl SandboxSpec {
             state: SandboxState::Running,
             host_ip,
             netns_path,
+            envd_access_token: crate::util::new_secret(),
         }
     }
 }
@@ -569,7 +570,7 @@ pub(crate) fn clone_from_capture(
         },
     )?;
     let info = spec.into_info(id.clone(), host_ip, netns_path);
-    register_running(shared, &dir, info.clone(), RuntimeHandle { ops, agent })?;
+    register_running(shared, &dir, info.clone(), RuntimeHandle::new(ops, agent))?;
     log::info!(
         "sandboxId={id} op=create_from_capture result=ok templateID={} ms={}",
         info.template_id,

@@ -6,7 +6,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -159,6 +159,11 @@ pub struct SandboxInfo {
     pub state: SandboxState,
     pub host_ip: Ipv4Addr,
     pub netns_path: PathBuf,
+    /// The secret an envd request must carry in `X-Access-Token` (E2B's
+    /// `envdAccessToken`). Records written before it existed have none; then only the
+    /// API key opens the sandbox's envd.
+    #[serde(default)]
+    pub envd_access_token: String,
 }
 
 /// A lifecycle operation, sent to the sandbox's supervisor thread.
@@ -191,6 +196,20 @@ pub enum Op {
 pub struct RuntimeHandle {
     pub ops: Sender<Op>,
     pub agent: Arc<AgentClient>,
+    /// Unique per VM process of this server: a resumed or cloned sandbox runs a new
+    /// instance, whose guest has not seen `/init` yet.
+    pub instance: u64,
+}
+
+impl RuntimeHandle {
+    pub fn new(ops: Sender<Op>, agent: Arc<AgentClient>) -> RuntimeHandle {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        RuntimeHandle {
+            ops,
+            agent,
+            instance: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
 }
 
 /// One registered sandbox.

@@ -1,0 +1,186 @@
+//! End-to-end: the E2B control-plane routes and the envd proxy, first over plain HTTP, then
+//! driven by the real E2B SDKs (python `e2b`, JS `e2b`, installed by scripts/setup.sh).
+//! One template build (one cold boot) serves every sandbox here; each sandbox is a
+//! restore from it.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Builds template `name` from the built-in base image and waits until it is ready.
+fn build_template(s: &Server, name: &str) {
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            json!({"name": name, "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+                    "diskSizeMB": 1024, "envVars": {"FROM_TEMPLATE": "yes"}}),
+        ),
+    );
+    assert_eq!(code, 202, "{t}");
+    let ready = wait_until(Duration::from_secs(180), || {
+        s.call("GET", &format!("/templates/{name}"), None).1["buildStatus"] == "ready"
+    });
+    assert!(ready, "template {name} not ready:\n{}", s.log());
+}
+
+/// A request to a sandbox's envd through the API port, with the given extra headers.
+fn envd(s: &Server, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut req =
+        ureq::request(method, &format!("{}{}", s.base, path)).timeout(Duration::from_secs(60));
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    match req.call() {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+        Err(e) => panic!("{method} {path}: {e}"),
+    }
+}
+
+/// The control-plane routes the SDKs call, and the envd proxy's routing and credentials,
+/// checked with plain HTTP against the guest's `/health`.
+#[test]
+fn control_plane_and_envd_routing() {
+    let s = Server::start("");
+    build_template(&s, "base");
+    let missing = "0190f3c4-1c2d-7e3f-8a4b-5c6d7e8f9a0b";
+
+    // Connect: 404 for an unknown sandbox before any body check.
+    let (code, _) = s.raw(&format!(
+        "POST /v2/sandboxes/{missing}/connect HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{{{{{{"
+    ));
+    assert_eq!(code, 404);
+
+    // Create as the SDKs do: POST /v2/sandboxes, body sent chunked (the JS SDK does).
+    let body = json!({"templateID": "base", "timeout": 600, "metadata": {"suite": "sdk"},
+                      "envVars": {"FROM_CREATE": "1"}, "secure": true, "autoPause": false,
+                      "allow_internet_access": false})
+    .to_string();
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let (code, text) = s.raw(&format!(
+        "POST /v2/sandboxes HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\n\
+         Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunked}"
+    ));
+    assert_eq!(code, 201, "{text}\n{}", s.log());
+    let created: Value = serde_json::from_str(text.split_once("\r\n\r\n").unwrap().1).unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(token.len(), 64, "{created}");
+    assert_eq!(created["envdVersion"], "0.5.15");
+
+    // get_info carries the token; the list does not.
+    let (code, detail) = s.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(code, 200);
+    assert_eq!(detail["envdAccessToken"], token.as_str());
+    assert_eq!(detail["metadata"]["suite"], "sdk");
+    let (_, list) = s.call(
+        "GET",
+        "/v2/sandboxes?state=running&metadata=suite%3Dsdk",
+        None,
+    );
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    assert!(list[0].get("envdAccessToken").is_none());
+
+    // envd through the API port: by header, and by Host.
+    let by_header = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("X-Access-Token", token.as_str()),
+    ];
+    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    assert_eq!(code, 200, "the guest's own /health answers: {text}");
+    let host = format!("49983-{id}.sandbox.test");
+    let (code, _) = envd(
+        &s,
+        "GET",
+        "/health",
+        &[("Host", &host), ("X-Access-Token", &token)],
+    );
+    assert_eq!(code, 200);
+    let (code, _) = envd(
+        &s,
+        "GET",
+        "/health",
+        &[("E2b-Sandbox-Id", &id), ("X-API-Key", API_KEY)],
+    );
+    assert_eq!(code, 200, "the API key opens every sandbox");
+
+    // Without the right credential: 401, whether or not the sandbox exists.
+    for headers in [
+        vec![("E2b-Sandbox-Id", id.as_str())],
+        vec![("E2b-Sandbox-Id", id.as_str()), ("X-Access-Token", "wrong")],
+        vec![("E2b-Sandbox-Id", missing), ("X-Access-Token", "wrong")],
+        vec![
+            ("E2b-Sandbox-Id", missing),
+            ("X-Access-Token", token.as_str()),
+        ],
+        vec![("Host", host.as_str())],
+    ] {
+        let (code, text) = envd(&s, "GET", "/health", &headers);
+        assert_eq!(code, 401, "{headers:?}: {text}");
+        assert!(!text.contains(&id) && !text.contains(missing), "{text}");
+    }
+    // An unknown sandbox with the API key: not running.
+    let (code, text) = envd(
+        &s,
+        "GET",
+        "/health",
+        &[("E2b-Sandbox-Id", missing), ("X-API-Key", API_KEY)],
+    );
+    assert_eq!(code, 502);
+    assert!(text.contains("was not found"), "{text}");
+    // The server's own /health is unaffected.
+    assert_eq!(envd(&s, "GET", "/health", &[]).0, 204);
+
+    // Connect with {} on a running sandbox: 200, default timeout, same token.
+    let (code, v) = s.call(
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(json!({})),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["envdAccessToken"], token.as_str());
+
+    // Paused: "was not found" for the token holder, 401 for others; connect resumes it
+    // with the same token.
+    assert_eq!(
+        s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
+        204
+    );
+    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    assert_eq!(code, 502, "{text}");
+    assert!(text.contains("was not found"), "{text}");
+    let (_, list) = s.call("GET", "/v2/sandboxes?state=paused", None);
+    assert_eq!(list[0]["sandboxID"], id.as_str(), "{list}");
+    let (code, v) = s.call(
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(json!({"timeout": 120})),
+    );
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(v["envdAccessToken"], token.as_str());
+    let (code, _) = envd(&s, "GET", "/health", &by_header);
+    assert_eq!(code, 200, "the resumed guest answers again");
+
+    // Killed: "was not found" for the token holder (the SDK's is_running() is false).
+    assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    assert_eq!(code, 502);
+    assert!(text.contains("was not found"), "{text}");
+    let (code, _) = envd(
+        &s,
+        "GET",
+        "/health",
+        &[("E2b-Sandbox-Id", &id), ("X-Access-Token", "wrong")],
+    );
+    assert_eq!(code, 401);
+    let (code, _) = s.call(
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(json!({})),
+    );
+    assert_eq!(code, 404);
+}
