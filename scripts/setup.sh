@@ -56,6 +56,9 @@ fi
 step "QEMU: $(qemu-system-x86_64 --version | head -1)"
 
 step "guest kernel into $ASSETS"
+# The state dir holds guest disks and memory: private (the server tightens it too).
+STATE=${AENV_STATE_DIR:-/var/lib/agentenv}
+install -d -m 0700 "$STATE" && chmod 0700 "$STATE"
 mkdir -p "$ASSETS"
 "$ROOT/scripts/fetch-kernel.sh" "$ASSETS"
 

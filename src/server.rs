@@ -41,6 +41,9 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     let _host_lock = lock_host()?;
     crate::vm::qemu::remove_stale_socket_dirs();
     let state_dir = &config.server.state_dir;
+    // Everything this process and its children (QEMU, qemu-img, mkfs) create is private:
+    // disks, captures and RAM files hold guest data.
+    sys::fs::set_umask(0o077);
     store::ensure_private_dir(state_dir)?;
     let lock_path = state_dir.join("agentenv.lock");
     let _lock = sys::fs::try_lock_exclusive(&lock_path)?.ok_or_else(|| {
@@ -49,6 +52,18 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
             lock_path.display()
         ))
     })?;
+    match store::tighten_tree(state_dir, Some(&config.vm.assets_dir)) {
+        Ok(0) => {}
+        Ok(n) => log::warn!(
+            "op=startup state_dir={} modes_tightened={n}",
+            state_dir.display()
+        ),
+        Err(e) => {
+            return Err(StartupError(format!(
+                "cannot make the state dir private: {e}"
+            )))
+        }
+    }
     let api_key = resolve_api_key(&config)?;
     let accel = crate::vm::detect_accel(config.vm.accel)?;
     log::info!("op=startup accel={accel:?}");

@@ -213,10 +213,19 @@ impl BlobCache {
         let io_err = |p: &Path, e: io::Error| ImageError::Io(format!("{}: {e}", p.display()));
         let tmp_dir = self.tmp_dir();
         let parent = dest.parent().unwrap_or(&self.root);
-        fs::create_dir_all(&tmp_dir).map_err(|e| io_err(&tmp_dir, e))?;
-        fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        for dir in [&tmp_dir, parent] {
+            crate::store::ensure_private_dir(dir).map_err(|e| ImageError::Io(e.to_string()))?;
+        }
         let tmp = super::TempPath::file(tmp_dir.join(temp_name(digest_hex(digest)?)));
-        let mut file = File::create(tmp.path()).map_err(|e| io_err(tmp.path(), e))?;
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            File::options()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(tmp.path())
+                .map_err(|e| io_err(tmp.path(), e))?
+        };
 
         let started = Instant::now();
         let mut last_log = started;

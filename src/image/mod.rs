@@ -299,15 +299,30 @@ impl ImageStore {
         timings: &mut PhaseTimings,
     ) -> Result<(), ImageError> {
         let tmp_root = self.cache_dir.join("tmp");
-        fs::create_dir_all(&tmp_root)
-            .map_err(|e| ImageError::Io(format!("cannot create {}: {e}", tmp_root.display())))?;
+        crate::store::ensure_private_dir(&tmp_root).map_err(|e| ImageError::Io(e.to_string()))?;
+        // Compressed layers larger than the disk cannot fit it unpacked: refuse before
+        // downloading anything.
+        let compressed: u64 = image
+            .manifest
+            .layers
+            .iter()
+            .fold(0u64, |sum, l| sum.saturating_add(l.size));
+        if compressed > u64::from(disk_size_mb) << 20 {
+            return Err(ImageError::TooSmall {
+                needed_mb: rootfs::needed_mb(rootfs::TreeUsage {
+                    data_blocks: compressed.div_ceil(4096),
+                    inodes: 0,
+                }),
+            });
+        }
         let started = Instant::now();
         source.prefetch(&image.manifest.layers)?;
         timings.download_ms = elapsed_ms(started);
         let started = Instant::now();
         let unique = cache::temp_name(key);
         let staging = TempPath::dir(tmp_root.join(format!("{unique}.staging")))?;
-        let mut unpacker = unpack::Unpacker::new(staging.path());
+        let mut unpacker =
+            unpack::Unpacker::new(staging.path(), unpack::Budget::for_disk(disk_size_mb));
         for (layer, diff_id) in image
             .manifest
             .layers
@@ -339,7 +354,7 @@ impl ImageStore {
                 }
             }
         }
-        unpacker.finish()?;
+        let fixups = unpacker.finish()?;
         timings.unpack_ms = elapsed_ms(started);
         let started = Instant::now();
 
@@ -351,6 +366,9 @@ impl ImageStore {
         }
         let image_tmp = TempPath::file(tmp_root.join(format!("{unique}.ext4")));
         rootfs::build(staging.path(), image_tmp.path(), disk_size_mb, usage)?;
+        let scratch = TempPath::file(tmp_root.join(format!("{unique}.fixups")));
+        rootfs::apply_fixups(image_tmp.path(), &fixups, scratch.path())?;
+        drop(scratch);
         fs::File::open(image_tmp.path())
             .and_then(|f| f.sync_all())
             .map_err(|e| ImageError::Io(format!("fsync {}: {e}", image_tmp.path().display())))?;
@@ -405,8 +423,12 @@ pub(crate) struct TempPath {
 
 impl TempPath {
     fn dir(path: PathBuf) -> Result<TempPath, ImageError> {
+        use std::os::unix::fs::DirBuilderExt;
         let guard = TempPath { path, armed: true };
-        fs::create_dir(&guard.path)
+        // Private: the tree holds an untrusted image's files.
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&guard.path)
             .map_err(|e| ImageError::Io(format!("cannot create {}: {e}", guard.path.display())))?;
         Ok(guard)
     }
@@ -583,6 +605,92 @@ mod tests {
             .prepare_rootfs(&format!("oci:{}", layout_dir.display()), 64)
             .unwrap();
         assert_eq!(untagged.base_disk, img.base_disk);
+    }
+
+    #[test]
+    fn setuid_files_capabilities_and_devices_are_in_the_image_with_nothing_privileged_on_the_host()
+    {
+        if !is_root() {
+            return;
+        }
+        let t = TempDir::new("fixups");
+        let layout_dir = t.path().join("layout");
+        let mut l1 = LayerBuilder::new();
+        l1.dir("bin", 0o755)
+            .file_owned("bin/su", 0o4755, 0, 0, b"su")
+            .dir("dev", 0o755)
+            .char_device("dev/null", 0o666, 1, 3)
+            .block_device("dev/vdz", 0o660, 254, 7);
+        // Layer 2: bin/ping with a file capability (a PAX xattr record).
+        let l2_tar = {
+            let mut b = tar::Builder::new(Vec::new());
+            let (key, value) = ("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02");
+            // "<len> <key>=<value>\n", the length counting itself.
+            let body = key.len() + value.len() + 3;
+            let mut len = body + 1;
+            while len.to_string().len() + body != len {
+                len = len.to_string().len() + body;
+            }
+            let mut record = format!("{len} {key}=").into_bytes();
+            record.extend_from_slice(value);
+            record.push(b'\n');
+            let mut x = tar::Header::new_ustar();
+            x.set_entry_type(tar::EntryType::XHeader);
+            x.set_mode(0o644);
+            x.set_uid(0);
+            x.set_gid(0);
+            x.set_mtime(0);
+            x.set_size(record.len() as u64);
+            b.append_data(&mut x, "PaxHeaders/ping", record.as_slice())
+                .unwrap();
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_mode(0o755);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            h.set_size(4);
+            b.append_data(&mut h, "bin/ping", &b"ping"[..]).unwrap();
+            b.into_inner().unwrap()
+        };
+        write_image(
+            &layout_dir,
+            "latest",
+            vec![LayerBlob::plain(l1.finish()), LayerBlob::plain(l2_tar)],
+        );
+        let store = ImageStore::new(t.path().join("cache"));
+        let img = store
+            .prepare_rootfs(&format!("oci:{}", layout_dir.display()), 64)
+            .unwrap();
+        let su = debugfs(&img.base_disk, "stat /bin/su");
+        assert!(su.contains("Mode:  04755"), "{su}");
+        let null = debugfs(&img.base_disk, "stat /dev/null");
+        assert!(
+            null.contains("Type: character special") && null.contains("Mode:  0666"),
+            "{null}"
+        );
+        let vdz = debugfs(&img.base_disk, "stat /dev/vdz");
+        assert!(
+            vdz.contains("Type: block special") && vdz.contains("Mode:  0660"),
+            "{vdz}"
+        );
+        let caps = debugfs(&img.base_disk, "ea_list /bin/ping");
+        assert!(caps.contains("security.capability"), "{caps}");
+        let fsck = Command::new("e2fsck")
+            .args(["-fn"])
+            .arg(&img.base_disk)
+            .output()
+            .unwrap();
+        assert!(
+            fsck.status.success(),
+            "{}",
+            String::from_utf8_lossy(&fsck.stdout)
+        );
+        // Nothing but the finished disk is left, and it is the only file.
+        assert_eq!(
+            cache_contents(&store),
+            vec![img.base_disk.display().to_string()]
+        );
     }
 
     #[test]

@@ -316,6 +316,79 @@ fn registry_answer(status: u16, body: &str) -> String {
     }
 }
 
+/// How many redirects one request may follow (blob storage, token servers).
+const MAX_REDIRECTS: usize = 5;
+
+/// Why a registry GET failed.
+enum Fetch {
+    /// A 4xx or 5xx answer.
+    Status(u16, Box<ureq::Response>),
+    /// No answer: transport error, or a redirect that is refused.
+    Failed(String),
+}
+
+/// The origin (scheme, lowercase host, port) of an http(s) URL; `None` for other schemes
+/// and for URLs carrying credentials (`user:pass@`).
+fn origin(url: &str) -> Option<(&'static str, String, u16)> {
+    let (scheme, rest, default_port) = if let Some(rest) = url.strip_prefix("https://") {
+        ("https", rest, 443)
+    } else if let Some(rest) = url.strip_prefix("http://") {
+        ("http", rest, 80)
+    } else {
+        return None;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if authority.is_empty() || authority.contains('@') {
+        return None;
+    }
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && (!h.starts_with('[') || h.ends_with(']')) => {
+            (h, p.parse::<u16>().ok()?)
+        }
+        _ if authority.starts_with('[') && !authority.ends_with(']') => return None,
+        _ => (authority, default_port),
+    };
+    Some((scheme, host.to_ascii_lowercase(), port))
+}
+
+/// Resolves a `Location` header against the URL that sent it; `None` unless the result is
+/// an http(s) URL without credentials.
+fn resolve_location(base: &str, location: &str) -> Option<String> {
+    let location = location.trim();
+    let (scheme, rest) = base.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let resolved = if location.contains("://") {
+        location.to_string()
+    } else if let Some(rest) = location.strip_prefix("//") {
+        format!("{scheme}://{rest}")
+    } else if location.starts_with('/') {
+        format!("{scheme}://{authority}{location}")
+    } else if location.is_empty() {
+        return None;
+    } else {
+        let path = rest[authority.len()..]
+            .split(['?', '#'])
+            .next()
+            .unwrap_or("");
+        let dir = path.rsplit_once('/').map_or("", |(d, _)| d);
+        format!("{scheme}://{authority}{dir}/{location}")
+    };
+    origin(&resolved).map(|_| resolved)
+}
+
+/// Percent-encodes a query value.
+fn query_escape(value: &str) -> String {
+    let mut out = String::new();
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// A cached `Authorization` value for one registry and repository.
 struct CachedAuth {
     header: String,
@@ -335,10 +408,9 @@ impl RegistryClient {
             .timeout_connect(options.connect_timeout)
             .timeout_read(options.read_timeout)
             .timeout_write(options.read_timeout)
-            .redirects(5)
-            // Blob GETs may redirect to storage on another host, which must not see the
-            // registry's credentials.
-            .redirect_auth_headers(ureq::RedirectAuthHeaders::SameHost)
+            // Redirects are followed by hand (see `fetch`): ureq's same-host rule keeps
+            // `Authorization` for another port on the same host.
+            .redirects(0)
             .user_agent(concat!("agentenv/", env!("CARGO_PKG_VERSION")))
             .build();
         RegistryClient {
@@ -416,27 +488,20 @@ impl RegistryClient {
                     None => None,
                 }
             };
-            let mut req = self.agent.get(&url);
-            if let Some(a) = accept {
-                req = req.set("Accept", a);
-            }
-            if let Some(h) = &cached {
-                req = req.set("Authorization", h);
-            }
-            match req.call() {
+            match self.fetch(&url, accept, cached.as_deref()) {
                 Ok(resp) => return Ok(resp),
-                Err(ureq::Error::Status(401, resp)) if !retried => {
+                Err(Fetch::Status(401, resp)) if !retried => {
                     retried = true;
                     let header = resp.header("www-authenticate").unwrap_or("").to_string();
                     let answer = registry_answer(401, &resp.into_string().unwrap_or_default());
                     let auth = self.authenticate(r, &header, &answer)?;
                     self.auth.lock().insert(key.clone(), auth);
                 }
-                Err(ureq::Error::Status(code, resp)) => {
+                Err(Fetch::Status(code, resp)) => {
                     let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
                     return Err(status_error(code, r, what, &answer, cached.is_some()));
                 }
-                Err(ureq::Error::Transport(t)) => {
+                Err(Fetch::Failed(t)) => {
                     return Err(ImageError::Upstream(format!(
                         "cannot reach registry {} ({url}) for {what}: {t}",
                         r.domain
@@ -444,6 +509,58 @@ impl RegistryClient {
                 }
             }
         }
+    }
+
+    /// GET `url`, following up to [`MAX_REDIRECTS`] redirects by hand: only to http(s)
+    /// URLs without credentials in them, never from https down to plain http (except to
+    /// loopback or listed insecure registries), and with `Authorization` only while the
+    /// origin (scheme, host and port) is the one it was meant for.
+    fn fetch(
+        &self,
+        url: &str,
+        accept: Option<&str>,
+        authorization: Option<&str>,
+    ) -> Result<ureq::Response, Fetch> {
+        let first_origin = origin(url);
+        let mut url = url.to_string();
+        for _ in 0..=MAX_REDIRECTS {
+            let mut req = self.agent.get(&url);
+            if let Some(a) = accept {
+                req = req.set("Accept", a);
+            }
+            if let Some(h) = authorization.filter(|_| origin(&url) == first_origin) {
+                req = req.set("Authorization", h);
+            }
+            let resp = match req.call() {
+                Ok(resp) => resp,
+                Err(ureq::Error::Status(code, resp)) => {
+                    return Err(Fetch::Status(code, Box::new(resp)))
+                }
+                Err(ureq::Error::Transport(t)) => return Err(Fetch::Failed(t.to_string())),
+            };
+            if !(300..400).contains(&resp.status()) {
+                return Ok(resp);
+            }
+            let location = resp.header("location").unwrap_or("").to_string();
+            let next = resolve_location(&url, &location).ok_or_else(|| {
+                Fetch::Failed(format!(
+                    "{url} redirected to {location:?}, which is not an http(s) URL without \
+                     credentials"
+                ))
+            })?;
+            if url.starts_with("https://")
+                && next.starts_with("http://")
+                && !self.may_send_secrets_to(&next)
+            {
+                return Err(Fetch::Failed(format!(
+                    "{url} redirected from https down to plain http ({next})"
+                )));
+            }
+            url = next;
+        }
+        Err(Fetch::Failed(format!(
+            "more than {MAX_REDIRECTS} redirects, the last to {url}"
+        )))
     }
 
     /// Answers a 401 challenge with basic credentials or a bearer token.
@@ -490,29 +607,37 @@ impl RegistryClient {
                     .get("scope")
                     .cloned()
                     .unwrap_or_else(|| format!("repository:{}:pull", r.repository));
-                let mut req = self.agent.get(&realm).query("scope", &scope);
+                if origin(&realm).is_none() {
+                    return Err(denied(format!(
+                        "token realm {realm:?} is not a plain http(s) URL"
+                    )));
+                }
+                let mut token_url = format!(
+                    "{realm}{}scope={}",
+                    if realm.contains('?') { '&' } else { '?' },
+                    query_escape(&scope)
+                );
                 if let Some(service) = challenge.params.get("service") {
-                    req = req.query("service", service);
+                    token_url.push_str(&format!("&service={}", query_escape(service)));
                 }
-                if let Some((u, p)) = &creds {
-                    if self.may_send_secrets_to(&realm) {
-                        req = req.set("Authorization", &Self::basic_header(u, p));
-                    }
-                }
-                let resp = match req.call() {
+                let basic = creds
+                    .as_ref()
+                    .filter(|_| self.may_send_secrets_to(&realm))
+                    .map(|(u, p)| Self::basic_header(u, p));
+                let resp = match self.fetch(&token_url, None, basic.as_deref()) {
                     Ok(resp) => resp,
-                    Err(ureq::Error::Status(code, resp)) if code < 500 && code != 429 => {
+                    Err(Fetch::Status(code, resp)) if code < 500 && code != 429 => {
                         let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
                         return Err(denied(format!("token server {realm}: {answer}")));
                     }
-                    Err(ureq::Error::Status(code, resp)) => {
+                    Err(Fetch::Status(code, resp)) => {
                         let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
                         return Err(ImageError::Upstream(format!(
                             "token server {realm} for {}: {answer}",
                             r.domain
                         )));
                     }
-                    Err(ureq::Error::Transport(t)) => {
+                    Err(Fetch::Failed(t)) => {
                         return Err(ImageError::Upstream(format!(
                             "cannot reach token server {realm} for {}: {t}",
                             r.domain
@@ -847,6 +972,94 @@ impl BlobSource for RegistrySource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn origins_and_redirect_targets() {
+        assert_eq!(
+            origin("http://127.0.0.1:5000/v2/"),
+            Some(("http", "127.0.0.1".into(), 5000))
+        );
+        assert_eq!(
+            origin("https://Reg.Example/v2"),
+            Some(("https", "reg.example".into(), 443))
+        );
+        assert_eq!(
+            origin("http://[::1]:80/x"),
+            Some(("http", "[::1]".into(), 80))
+        );
+        assert_eq!(origin("http://user:pw@host/x"), None);
+        assert_eq!(origin("file:///etc/passwd"), None);
+        assert_eq!(origin("ftp://host/x"), None);
+        let base = "http://127.0.0.1:5000/v2/a/blobs/sha256:1?x=1";
+        assert_eq!(
+            resolve_location(base, "/store/b").as_deref(),
+            Some("http://127.0.0.1:5000/store/b")
+        );
+        assert_eq!(
+            resolve_location(base, "c").as_deref(),
+            Some("http://127.0.0.1:5000/v2/a/blobs/c")
+        );
+        assert_eq!(
+            resolve_location(base, "//other:1/p").as_deref(),
+            Some("http://other:1/p")
+        );
+        assert_eq!(resolve_location(base, "file:///etc/shadow"), None);
+        assert_eq!(resolve_location(base, "http://u:p@evil/x"), None);
+        assert_eq!(
+            query_escape("repository:a/b:pull"),
+            "repository%3Aa%2Fb%3Apull"
+        );
+    }
+
+    /// A one-request HTTP server on loopback: answers `answer` and returns the request it
+    /// got.
+    fn serve_once(answer: String) -> (u16, std::thread::JoinHandle<String>) {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handle = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut request = String::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
+                    break;
+                }
+                request.push_str(&line);
+            }
+            stream.write_all(answer.as_bytes()).unwrap();
+            request
+        });
+        (port, handle)
+    }
+
+    #[test]
+    fn a_redirect_to_another_port_does_not_get_the_authorization_header() {
+        let (storage_port, storage) = serve_once(
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".into(),
+        );
+        let (registry_port, registry) = serve_once(format!(
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{storage_port}/blob\r\n\
+             Content-Length: 0\r\nConnection: close\r\n\r\n"
+        ));
+        let client = RegistryClient::new(ImageOptions::default());
+        let resp = client
+            .fetch(
+                &format!("http://127.0.0.1:{registry_port}/v2/a/blobs/x"),
+                None,
+                Some("Bearer secret-token"),
+            )
+            .unwrap_or_else(|_| panic!("fetch failed"));
+        assert_eq!(resp.into_string().unwrap(), "ok");
+        let first = registry.join().unwrap();
+        assert!(first.contains("Bearer secret-token"), "{first}");
+        let second = storage.join().unwrap();
+        assert!(
+            !second.to_ascii_lowercase().contains("authorization"),
+            "the token went to another port: {second}"
+        );
+    }
 
     #[test]
     fn challenges_parse_with_quoted_commas() {

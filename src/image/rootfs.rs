@@ -7,7 +7,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use super::unpack::Fixup;
 use super::ImageError;
+use crate::sys::files::NodeKind;
 
 const BLOCK: u64 = 4096;
 const INODE_SIZE: u64 = 256;
@@ -70,13 +72,18 @@ fn journal_blocks(blocks: u64) -> u64 {
     }
 }
 
+/// How many inodes an ext4 of `size_mb` made by [`build`]'s mkfs flags has.
+pub fn inode_capacity(size_mb: u64) -> u64 {
+    // mke2fs.conf: "small" (< 512 MiB) has inode_ratio 4096, default 16384.
+    let inode_ratio = if size_mb < 512 { 4096 } else { 16384 };
+    size_mb * MIB / inode_ratio
+}
+
 /// Whether `usage` fits an ext4 of `size_mb` made by [`build`]'s mkfs flags, with margin.
 pub fn fits(usage: TreeUsage, size_mb: u64) -> bool {
     let bytes = size_mb * MIB;
     let blocks = bytes / BLOCK;
-    // mke2fs.conf: "small" (< 512 MiB) has inode_ratio 4096, default 16384.
-    let inode_ratio = if size_mb < 512 { 4096 } else { 16384 };
-    let inode_count = bytes / inode_ratio;
+    let inode_count = inode_capacity(size_mb);
     let inode_table_blocks = inode_count * INODE_SIZE / BLOCK;
     // Bitmaps, group descriptors, reserved GDT blocks, superblock backups: ~1%, plus 64
     // blocks of fixed cost.
@@ -162,6 +169,96 @@ pub fn build(staging: &Path, out: &Path, size_mb: u32, usage: TreeUsage) -> Resu
         output.status,
         text.trim()
     )))
+}
+
+/// Writes what the host tree left out (setuid/setgid modes, file capabilities, device
+/// nodes) into the built image `image` with `debugfs -w`. `scratch` is a private
+/// directory for the command file and capability values.
+pub fn apply_fixups(image: &Path, fixups: &[Fixup], scratch: &Path) -> Result<(), ImageError> {
+    if fixups.is_empty() {
+        return Ok(());
+    }
+    let io = |p: &Path, e: std::io::Error| ImageError::Io(format!("{}: {e}", p.display()));
+    crate::store::ensure_private_dir(scratch).map_err(|e| ImageError::Io(e.to_string()))?;
+    let mut script = String::new();
+    for (i, f) in fixups.iter().enumerate() {
+        // Paths were checked to be printable ASCII without quotes or backslashes.
+        let path = &f.path;
+        let type_bits = match f.device {
+            Some((NodeKind::Char, major, minor)) => {
+                let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+                let dir = if dir.is_empty() { "/" } else { dir };
+                script.push_str(&format!(
+                    "rm \"{path}\"\ncd \"{dir}\"\nmknod \"{name}\" c {major} {minor}\ncd /\n"
+                ));
+                0o020000
+            }
+            Some((NodeKind::Block, major, minor)) => {
+                let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+                let dir = if dir.is_empty() { "/" } else { dir };
+                script.push_str(&format!(
+                    "rm \"{path}\"\ncd \"{dir}\"\nmknod \"{name}\" b {major} {minor}\ncd /\n"
+                ));
+                0o060000
+            }
+            Some((NodeKind::Fifo, _, _)) | None => 0o100000,
+        };
+        script.push_str(&format!(
+            "sif \"{path}\" mode 0{:o}\nsif \"{path}\" uid {}\nsif \"{path}\" gid {}\n\
+             sif \"{path}\" mtime @{}\n",
+            type_bits | (f.mode & 0o7777),
+            f.uid,
+            f.gid,
+            f.mtime
+        ));
+        if let Some(value) = &f.capability {
+            let value_file = scratch.join(format!("cap-{i}"));
+            fs::write(&value_file, value).map_err(|e| io(&value_file, e))?;
+            script.push_str(&format!(
+                "ea_set -f \"{}\" \"{path}\" security.capability\n",
+                value_file.display()
+            ));
+        }
+    }
+    let script_file = scratch.join("fixups.debugfs");
+    fs::write(&script_file, script).map_err(|e| io(&script_file, e))?;
+    let binary = crate::util::find_in_path(Path::new("debugfs"))
+        .or_else(|| {
+            ["/usr/sbin/debugfs", "/sbin/debugfs"]
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from("debugfs"));
+    let output = Command::new(&binary)
+        .arg("-w")
+        .arg("-f")
+        .arg(&script_file)
+        .arg(image)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| {
+            ImageError::Io(format!(
+                "cannot run {}: {e}; install e2fsprogs",
+                binary.display()
+            ))
+        })?;
+    // debugfs exits 0 whatever its commands did; errors are the stderr lines besides its
+    // version banner.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("debugfs "))
+        .collect();
+    if !output.status.success() || !errors.is_empty() {
+        return Err(ImageError::Io(format!(
+            "{} could not set setuid bits or device nodes in the image ({}): {}",
+            binary.display(),
+            output.status,
+            errors.join("; ")
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,13 +1,21 @@
 //! Applies layer tarballs onto a staging directory the way overlayfs would stack them:
-//! whiteouts, opaque directories, hardlinks, device nodes, ownership, modes, times and
-//! xattrs, with every path resolved inside the root (symlinks are never followed out).
+//! whiteouts, opaque directories, hardlinks, ownership, modes, times and xattrs, with
+//! every path resolved inside the root (symlinks are never followed out) and every
+//! removal confined to it.
+//!
+//! The staging tree is a host directory, so nothing in it may hand a local user power:
+//! setuid/setgid bits and file capabilities are left off the host files, and device nodes
+//! are empty placeholder files. What the guest must still see is returned as [`Fixup`]s,
+//! which `rootfs::apply_fixups` writes into the finished ext4 image. A [`Budget`] from
+//! the disk size bounds the bytes and inodes a layer may create while it is applied, and
+//! GNU sparse entries stay sparse (holes are seeked over, never written).
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::ImageError;
@@ -17,13 +25,67 @@ const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_WHITEOUT: &[u8] = b".wh..wh..opq";
 /// Like the kernel's limit on symlinks followed during one lookup.
 const MAX_SYMLINKS: usize = 40;
+/// ext4's largest file with 4 KiB blocks.
+const MAX_FILE_BYTES: u64 = 16 << 40;
+const BLOCK: u64 = 4096;
+/// The xattr that gives a file capabilities when executed.
+const CAPABILITY_XATTR: &str = "security.capability";
+
+/// How much an image may create: the disk it becomes can hold no more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub bytes: u64,
+    pub inodes: u64,
+    /// The disk size the budget comes from, for messages.
+    pub disk_mb: u32,
+}
+
+impl Budget {
+    /// The bytes and inodes of an ext4 of `disk_mb` MiB made by `rootfs::build`.
+    pub fn for_disk(disk_mb: u32) -> Budget {
+        Budget {
+            bytes: u64::from(disk_mb) << 20,
+            inodes: super::rootfs::inode_capacity(u64::from(disk_mb)),
+            disk_mb,
+        }
+    }
+}
+
+/// Metadata the host tree does not carry and the built ext4 must get: setuid/setgid
+/// modes, file capabilities and device nodes (a placeholder file on the host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fixup {
+    /// Absolute path inside the image.
+    pub path: String,
+    /// A device node to create in place of the placeholder.
+    pub device: Option<(NodeKind, u32, u32)>,
+    /// Permission bits, setuid/setgid included.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime: i64,
+    /// The `security.capability` value.
+    pub capability: Option<Vec<u8>>,
+}
+
+/// A host file whose real metadata is kept aside: its inode, so a replaced path is never
+/// fixed up, and what the guest must see.
+#[derive(Debug, Clone)]
+struct Special {
+    ino: u64,
+    fixup: Fixup,
+}
 
 /// State that outlives one layer: directory times are set once every layer is applied,
 /// because adding entries to a directory changes its mtime.
-#[derive(Default)]
 pub struct Unpacker {
     root: PathBuf,
     dir_times: BTreeMap<PathBuf, (i64, i64)>,
+    budget: Budget,
+    used_bytes: u64,
+    used_inodes: u64,
+    /// Host path → what the guest sees there instead.
+    specials: BTreeMap<PathBuf, Special>,
 }
 
 /// What one layer created, so an opaque marker removes only what lower layers left.
@@ -32,11 +94,15 @@ struct LayerState {
 }
 
 impl Unpacker {
-    /// Unpacks into `root`, which must exist.
-    pub fn new(root: &Path) -> Unpacker {
+    /// Unpacks into `root`, which must exist, within `budget`.
+    pub fn new(root: &Path, budget: Budget) -> Unpacker {
         Unpacker {
             root: root.to_path_buf(),
             dir_times: BTreeMap::new(),
+            budget,
+            used_bytes: 0,
+            used_inodes: 0,
+            specials: BTreeMap::new(),
         }
     }
 
@@ -57,8 +123,9 @@ impl Unpacker {
         Ok(())
     }
 
-    /// Sets the directory times recorded by every layer. Call once, after the last layer.
-    pub fn finish(self) -> Result<(), ImageError> {
+    /// Sets the directory times recorded by every layer and returns what the ext4 must
+    /// get on top of the tree. Call once, after the last layer.
+    pub fn finish(self) -> Result<Vec<Fixup>, ImageError> {
         // Deepest first, so setting a child's time does not disturb its parent's.
         for (path, (secs, nsec)) in self.dir_times.iter().rev() {
             match files::set_times_nofollow(path, *secs, *nsec) {
@@ -67,6 +134,30 @@ impl Unpacker {
                 Err(e) => return Err(ImageError::Io(e.to_string())),
             }
         }
+        let mut fixups = Vec::new();
+        for (path, special) in self.specials {
+            // Removals drop their entries; the inode check is a second guard.
+            if fs::symlink_metadata(&path).is_ok_and(|m| m.ino() == special.ino && m.is_file()) {
+                fixups.push(special.fixup);
+            }
+        }
+        Ok(fixups)
+    }
+
+    /// Counts what an entry creates against the budget.
+    fn charge(&mut self, display: &str, bytes: u64, inodes: u64) -> Result<(), ImageError> {
+        let bytes = self.used_bytes.saturating_add(bytes);
+        let inodes = self.used_inodes.saturating_add(inodes);
+        if bytes > self.budget.bytes || inodes > self.budget.inodes {
+            return Err(ImageError::BadImage(format!(
+                "entry {display:?} takes the unpacked image past the requested disk of {} MiB \
+                 ({} bytes and {} files at most); ask for a larger diskSizeMB if the image is \
+                 genuine",
+                self.budget.disk_mb, self.budget.bytes, self.budget.inodes
+            )));
+        }
+        self.used_bytes = bytes;
+        self.used_inodes = inodes;
         Ok(())
     }
 
@@ -88,7 +179,7 @@ impl Unpacker {
             if kind.is_dir() {
                 let meta = EntryMeta::read(entry)?;
                 let root = self.root.clone();
-                self.apply_meta(&root, &meta, true)?;
+                self.apply_meta(&root, &meta, true, &display)?;
                 return Ok(());
             }
             return Err(ImageError::BadImage(format!(
@@ -98,16 +189,7 @@ impl Unpacker {
 
         let name_bytes = name.as_bytes();
         if name_bytes.starts_with(WHITEOUT_PREFIX) {
-            let Some(parent) = self.resolve(parents, false, &display)? else {
-                return Ok(());
-            };
-            if name_bytes == OPAQUE_WHITEOUT {
-                remove_untouched_children(&parent, &state.touched)?;
-            } else if !name_bytes.starts_with(b".wh..wh.") {
-                let target = parent.join(OsStr::from_bytes(&name_bytes[WHITEOUT_PREFIX.len()..]));
-                remove_any(&target)?;
-            }
-            return Ok(());
+            return self.apply_whiteout(parents, name_bytes, &display, state);
         }
 
         let parent = self
@@ -121,26 +203,40 @@ impl Unpacker {
                 match fs::symlink_metadata(&dest) {
                     Ok(m) if m.is_dir() => {}
                     Ok(_) => {
-                        remove_any(&dest)?;
+                        self.remove_any(&dest)?;
+                        self.charge(&display, BLOCK, 1)?;
                         mkdir(&dest)?;
                     }
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir(&dest)?,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        self.charge(&display, BLOCK, 1)?;
+                        mkdir(&dest)?;
+                    }
                     Err(e) => return Err(io_err("lstat", &dest, e)),
                 }
-                self.apply_meta(&dest, &meta, true)?;
+                self.apply_meta(&dest, &meta, true, &display)?;
             }
             T::Regular | T::Continuous | T::GNUSparse => {
-                remove_any(&dest)?;
-                let mut file = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .open(&dest)
-                    .map_err(|e| io_err("create", &dest, e))?;
-                io::copy(entry, &mut file).map_err(|e| read_error(&display, e))?;
-                drop(file);
-                self.apply_meta(&dest, &meta, false)?;
+                let logical = entry.size();
+                if logical > MAX_FILE_BYTES {
+                    return Err(ImageError::BadImage(format!(
+                        "entry {display:?} claims {logical} bytes, more than ext4 can hold"
+                    )));
+                }
+                // What is stored in the layer: for a sparse entry only its data, not its
+                // holes.
+                let stored = match kind {
+                    T::GNUSparse => entry
+                        .header()
+                        .entry_size()
+                        .map_err(|e| read_error(&display, e))?,
+                    _ => logical,
+                };
+                self.remove_any(&dest)?;
+                self.charge(&display, stored.div_ceil(BLOCK) * BLOCK, 1)?;
+                // tar's own unpack writes data runs and seeks over holes; the file is made
+                // with O_EXCL in a directory this unpacker resolved, after the removal.
+                entry.unpack(&dest).map_err(|e| read_error(&display, e))?;
+                self.apply_meta(&dest, &meta, false, &display)?;
             }
             T::Symlink => {
                 let target = entry
@@ -154,10 +250,12 @@ impl Unpacker {
                         "symlink {display:?} has an empty target"
                     )));
                 }
-                remove_any(&dest)?;
+                self.remove_any(&dest)?;
+                let blocks = if target.len() >= 60 { BLOCK } else { 0 };
+                self.charge(&display, blocks, 1)?;
                 std::os::unix::fs::symlink(OsStr::from_bytes(&target), &dest)
                     .map_err(|e| io_err("symlink", &dest, e))?;
-                self.apply_meta(&dest, &meta, false)?;
+                self.apply_meta(&dest, &meta, false, &display)?;
             }
             T::Link => {
                 let target = entry
@@ -195,24 +293,51 @@ impl Unpacker {
                     Err(e) => return Err(io_err("lstat", &source, e)),
                 }
                 if source != dest {
-                    remove_any(&dest)?;
+                    let special = self.specials.get(&source).cloned();
+                    if special.as_ref().is_some_and(|s| s.fixup.device.is_some()) {
+                        return Err(ImageError::BadImage(format!(
+                            "hardlink {display:?} → {shown:?}: links to device nodes are not \
+                             supported"
+                        )));
+                    }
+                    self.remove_any(&dest)?;
+                    self.charge(&display, 0, 0)?;
                     // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked itself.
                     fs::hard_link(&source, &dest).map_err(|e| io_err("link", &dest, e))?;
+                    if let Some(mut special) = special {
+                        special.fixup.path = self.image_path(&dest, &display)?;
+                        self.specials.insert(dest.clone(), special);
+                    }
                 }
             }
-            T::Char | T::Block | T::Fifo => {
-                let node = match kind {
-                    T::Char => NodeKind::Char,
-                    T::Block => NodeKind::Block,
-                    _ => NodeKind::Fifo,
+            T::Char | T::Block => {
+                let node = if kind == T::Char {
+                    NodeKind::Char
+                } else {
+                    NodeKind::Block
                 };
                 let header = entry.header();
                 let major = header.device_major().ok().flatten().unwrap_or(0);
                 let minor = header.device_minor().ok().flatten().unwrap_or(0);
-                remove_any(&dest)?;
-                files::mknod(&dest, node, 0o600, major, minor)
+                self.remove_any(&dest)?;
+                self.charge(&display, 0, 1)?;
+                // Never a real device on the host: an empty file the ext4 fixup replaces.
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(&dest)
+                    .map_err(|e| io_err("create", &dest, e))?;
+                self.keep_special(&dest, &meta, Some((node, major, minor)), &display)?;
+                self.apply_meta(&dest, &meta, false, &display)?;
+            }
+            T::Fifo => {
+                self.remove_any(&dest)?;
+                self.charge(&display, 0, 1)?;
+                files::mknod(&dest, NodeKind::Fifo, 0o600, 0, 0)
                     .map_err(|e| ImageError::Io(e.to_string()))?;
-                self.apply_meta(&dest, &meta, false)?;
+                self.apply_meta(&dest, &meta, false, &display)?;
             }
             other => {
                 return Err(ImageError::BadImage(format!(
@@ -224,12 +349,86 @@ impl Unpacker {
         Ok(())
     }
 
+    /// `dir/.wh.name` removes `name` from lower layers; `.wh..wh..opq` empties `dir` of
+    /// what lower layers put there. A whiteout naming nothing, `.` or `..` is refused.
+    fn apply_whiteout(
+        &mut self,
+        parents: &[OsString],
+        name: &[u8],
+        display: &str,
+        state: &LayerState,
+    ) -> Result<(), ImageError> {
+        let hidden = &name[WHITEOUT_PREFIX.len()..];
+        let opaque = name == OPAQUE_WHITEOUT;
+        // Other `.wh..wh.` names are aufs bookkeeping (hardlink dirs): nothing to do.
+        if !opaque && name.starts_with(b".wh..wh.") {
+            return Ok(());
+        }
+        if !opaque && matches!(hidden, b"" | b"." | b"..") {
+            return Err(ImageError::BadImage(format!(
+                "whiteout {display:?} does not name a file"
+            )));
+        }
+        let Some(parent) = self.resolve(parents, false, display)? else {
+            return Ok(());
+        };
+        if opaque {
+            self.remove_untouched_children(&parent, &state.touched)
+        } else {
+            self.remove_any(&parent.join(OsStr::from_bytes(hidden)))
+        }
+    }
+
+    /// Records that the host file at `path` lacks what the guest must see (setuid bits,
+    /// capabilities, a device node).
+    fn keep_special(
+        &mut self,
+        path: &Path,
+        meta: &EntryMeta,
+        device: Option<(NodeKind, u32, u32)>,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        let ino = fs::symlink_metadata(path)
+            .map_err(|e| io_err("lstat", path, e))?
+            .ino();
+        let fixup = Fixup {
+            path: self.image_path(path, display)?,
+            device,
+            mode: meta.mode,
+            uid: meta.uid,
+            gid: meta.gid,
+            mtime: meta.mtime.0,
+            capability: meta.capability.clone(),
+        };
+        self.specials
+            .insert(path.to_path_buf(), Special { ino, fixup });
+        Ok(())
+    }
+
+    /// The image path of a host path under the root, as the ext4 fixups spell it. Names
+    /// they cannot express safely (quotes, control bytes, non-ASCII) are refused: such
+    /// files are never setuid or devices in a genuine image.
+    fn image_path(&self, path: &Path, display: &str) -> Result<String, ImageError> {
+        let rel = path.strip_prefix(&self.root).unwrap_or(path);
+        let bytes = rel.as_os_str().as_bytes();
+        if bytes
+            .iter()
+            .any(|b| !(0x20..0x7f).contains(b) || *b == b'"' || *b == b'\\')
+        {
+            return Err(ImageError::BadImage(format!(
+                "entry {display:?} is a setuid file, capability file or device node whose \
+                 name has quotes, control or non-ASCII bytes"
+            )));
+        }
+        Ok(format!("/{}", String::from_utf8_lossy(bytes)))
+    }
+
     /// Resolves `components` (directories) inside the root, following symlinks the way
     /// the guest would see them: absolute targets restart at the root, and climbing above
     /// the root is refused. With `create`, missing directories are made (0755, root);
     /// without, a missing one yields `None`.
     fn resolve(
-        &self,
+        &mut self,
         components: &[OsString],
         create: bool,
         display: &str,
@@ -284,6 +483,7 @@ impl Unpacker {
                     if !create {
                         return Ok(None);
                     }
+                    self.charge(display, BLOCK, 1)?;
                     mkdir(&candidate)?;
                     resolved.push(c);
                 }
@@ -300,12 +500,25 @@ impl Unpacker {
         path: &Path,
         meta: &EntryMeta,
         is_dir: bool,
+        display: &str,
     ) -> Result<(), ImageError> {
         let sys = |e: crate::sys::SysError| ImageError::Io(e.to_string());
         files::lchown(path, meta.uid, meta.gid).map_err(sys)?;
         if !meta.is_symlink {
+            // setuid/setgid on a host file would let a local user gain the owner's rights;
+            // the guest gets them from the ext4 fixup. On directories they only steer
+            // group inheritance.
+            let privileged = !is_dir && (meta.mode & 0o6000 != 0 || meta.capability.is_some());
+            let host_mode = if is_dir {
+                meta.mode
+            } else {
+                meta.mode & !0o6000
+            };
+            if privileged && !self.specials.contains_key(path) {
+                self.keep_special(path, meta, None, display)?;
+            }
             // After chown, which clears setuid/setgid.
-            fs::set_permissions(path, fs::Permissions::from_mode(meta.mode))
+            fs::set_permissions(path, fs::Permissions::from_mode(host_mode))
                 .map_err(|e| io_err("chmod", path, e))?;
         }
         for (name, value) in &meta.xattrs {
@@ -329,6 +542,73 @@ impl Unpacker {
         }
         Ok(())
     }
+
+    /// Removes whatever is at `path` (a directory recursively), never following a
+    /// symlink and never anything but a strict descendant of the root. What it held is
+    /// given back to the budget, and setuid/device records under it are dropped.
+    fn remove_any(&mut self, path: &Path) -> Result<(), ImageError> {
+        if path == self.root || !path.starts_with(&self.root) {
+            return Err(ImageError::BadImage(format!(
+                "refusing to remove {}: not inside the image root",
+                path.display()
+            )));
+        }
+        let md = match fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io_err("lstat", path, e)),
+        };
+        if md.is_dir() {
+            let children: Vec<PathBuf> = fs::read_dir(path)
+                .map_err(|e| io_err("readdir", path, e))?
+                .map(|e| e.map(|e| e.path()))
+                .collect::<Result<_, _>>()
+                .map_err(|e| io_err("readdir", path, e))?;
+            for child in children {
+                self.remove_any(&child)?;
+            }
+            fs::remove_dir(path).map_err(|e| io_err("remove", path, e))?;
+            self.refund(BLOCK, 1);
+            self.dir_times.remove(path);
+        } else {
+            fs::remove_file(path).map_err(|e| io_err("remove", path, e))?;
+            if md.nlink() <= 1 {
+                let bytes = (md.blocks() * 512).min(md.len().div_ceil(BLOCK) * BLOCK);
+                self.refund(bytes, 1);
+            }
+        }
+        self.specials.remove(path);
+        Ok(())
+    }
+
+    fn refund(&mut self, bytes: u64, inodes: u64) {
+        self.used_bytes = self.used_bytes.saturating_sub(bytes);
+        self.used_inodes = self.used_inodes.saturating_sub(inodes);
+    }
+
+    /// Opaque directory: everything below `dir` that this layer did not itself create
+    /// goes.
+    fn remove_untouched_children(
+        &mut self,
+        dir: &Path,
+        touched: &HashSet<PathBuf>,
+    ) -> Result<(), ImageError> {
+        let entries = fs::read_dir(dir).map_err(|e| io_err("readdir", dir, e))?;
+        let mut children = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| io_err("readdir", dir, e))?;
+            let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+            children.push((entry.path(), is_dir));
+        }
+        for (path, is_dir) in children {
+            if !touched.contains(&path) {
+                self.remove_any(&path)?;
+            } else if is_dir {
+                self.remove_untouched_children(&path, touched)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Ownership, mode, time and xattrs of one entry, with PAX overrides applied.
@@ -339,6 +619,8 @@ struct EntryMeta {
     mtime: (i64, i64),
     is_symlink: bool,
     xattrs: Vec<(String, Vec<u8>)>,
+    /// `security.capability`, kept off the host file.
+    capability: Option<Vec<u8>>,
 }
 
 impl EntryMeta {
@@ -354,6 +636,7 @@ impl EntryMeta {
             mtime: (header.mtime().map_err(|e| bad("mtime", e))? as i64, 0),
             is_symlink: header.entry_type().is_symlink(),
             xattrs: Vec::new(),
+            capability: None,
         };
         if let Some(pax) = entry.pax_extensions().map_err(|e| bad("pax header", e))? {
             for ext in pax.flatten() {
@@ -378,8 +661,11 @@ impl EntryMeta {
                     }
                     _ => {
                         if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
-                            // overlayfs bookkeeping from the build host means nothing here.
-                            if !name.starts_with("trusted.overlay.") {
+                            if name == CAPABILITY_XATTR {
+                                meta.capability = Some(value.to_vec());
+                            } else if !name.starts_with("trusted.overlay.") {
+                                // overlayfs bookkeeping from the build host means nothing
+                                // here.
                                 meta.xattrs.push((name.to_string(), value.to_vec()));
                             }
                         }
@@ -424,32 +710,6 @@ fn mkdir(path: &Path) -> Result<(), ImageError> {
         .map_err(|e| io_err("chmod", path, e))
 }
 
-/// Removes whatever is at `path` (a directory recursively), never following a symlink.
-fn remove_any(path: &Path) -> Result<(), ImageError> {
-    let result = match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
-        Ok(_) => fs::remove_file(path),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => Err(e),
-    };
-    result.map_err(|e| io_err("remove", path, e))
-}
-
-/// Opaque directory: everything below `dir` that this layer did not itself create goes.
-fn remove_untouched_children(dir: &Path, touched: &HashSet<PathBuf>) -> Result<(), ImageError> {
-    let entries = fs::read_dir(dir).map_err(|e| io_err("readdir", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| io_err("readdir", dir, e))?;
-        let path = entry.path();
-        if !touched.contains(&path) {
-            remove_any(&path)?;
-        } else if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            remove_untouched_children(&path, touched)?;
-        }
-    }
-    Ok(())
-}
-
 fn io_err(op: &str, path: &Path, e: io::Error) -> ImageError {
     ImageError::Io(format!("{op} {}: {e}", path.display()))
 }
@@ -476,10 +736,20 @@ mod tests {
 
     /// Applies `layers` to `<tmp>/root`; returns the temp dir and the result.
     fn apply(name: &str, layers: Vec<LayerBuilder>) -> (TempDir, PathBuf, Result<(), ImageError>) {
+        let (t, root, result) = apply_within(name, layers, Budget::for_disk(1024));
+        (t, root, result.map(drop))
+    }
+
+    /// [`apply`] with a budget, returning the fixups.
+    fn apply_within(
+        name: &str,
+        layers: Vec<LayerBuilder>,
+        budget: Budget,
+    ) -> (TempDir, PathBuf, Result<Vec<Fixup>, ImageError>) {
         let t = TempDir::new(name);
         let root = t.path().join("root");
         fs::create_dir(&root).unwrap();
-        let mut u = Unpacker::new(&root);
+        let mut u = Unpacker::new(&root, budget);
         let mut result = Ok(());
         for (i, layer) in layers.into_iter().enumerate() {
             let tar = layer.finish();
@@ -488,10 +758,29 @@ mod tests {
                 break;
             }
         }
-        if result.is_ok() {
-            result = u.finish();
-        }
+        let result = result.and_then(|()| u.finish());
         (t, root, result)
+    }
+
+    /// Every setuid/setgid file or device node under `dir` (the host must have none).
+    fn privileged_files(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in fs::read_dir(&d).unwrap().flatten() {
+                let md = fs::symlink_metadata(e.path()).unwrap();
+                let ft = md.file_type();
+                if ft.is_dir() {
+                    stack.push(e.path());
+                } else if ft.is_char_device()
+                    || ft.is_block_device()
+                    || (ft.is_file() && md.mode() & 0o6000 != 0)
+                {
+                    out.push(e.path());
+                }
+            }
+        }
+        out
     }
 
     fn raw_header(kind: tar::EntryType) -> tar::Header {
@@ -665,25 +954,188 @@ mod tests {
     }
 
     #[test]
-    fn device_nodes_are_real() {
+    fn device_nodes_and_setuid_bits_stay_off_the_host_and_become_fixups() {
         if !is_root() {
             return;
         }
         let mut l = LayerBuilder::new();
-        l.dir("dev", 0o755).char_device("dev/null", 0o666, 1, 3);
+        l.dir("dev", 0o755)
+            .char_device("dev/null", 0o666, 1, 3)
+            .dir("bin", 0o755)
+            .file_owned("bin/su", 0o4755, 0, 0, b"su")
+            .file_owned("bin/wall", 0o2755, 0, 5, b"wall")
+            .hardlink("bin/su2", "bin/su");
+        let mut h = raw_header(tar::EntryType::Block);
+        h.set_mode(0o660);
+        h.set_device_major(8).unwrap();
+        h.set_device_minor(1).unwrap();
+        l.raw(h, "dev/sda1", &[]);
         let mut h = raw_header(tar::EntryType::Fifo);
         h.set_mode(0o600);
         l.raw(h, "dev/fifo", &[]);
-        let (_t, root, r) = apply("devices", vec![l]);
-        r.unwrap();
-        let md = fs::symlink_metadata(root.join("dev/null")).unwrap();
-        assert!(md.file_type().is_char_device());
-        assert_eq!(md.rdev(), libc::makedev(1, 3));
-        assert_eq!(md.mode() & 0o7777, 0o666);
+        // A later layer replaces one device: it must not be fixed up any more.
+        let mut l2 = LayerBuilder::new();
+        l2.file("dev/sda1", 0o644, b"now a file");
+        let (_t, root, r) = apply_within("devices", vec![l, l2], Budget::for_disk(64));
+        let mut fixups = r.unwrap();
+        fixups.sort_by(|a, b| a.path.cmp(&b.path));
+        assert!(
+            privileged_files(&root).is_empty(),
+            "{:?}",
+            privileged_files(&root)
+        );
+        let null = fs::symlink_metadata(root.join("dev/null")).unwrap();
+        assert!(
+            null.is_file() && null.len() == 0,
+            "placeholder is a plain empty file"
+        );
+        assert_eq!(null.mode() & 0o7777, 0o666);
+        assert_eq!(
+            fs::symlink_metadata(root.join("bin/su")).unwrap().mode() & 0o7777,
+            0o755
+        );
         assert!(fs::symlink_metadata(root.join("dev/fifo"))
             .unwrap()
             .file_type()
             .is_fifo());
+        let paths: Vec<&str> = fixups.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, vec!["/bin/su", "/bin/su2", "/bin/wall", "/dev/null"]);
+        assert_eq!(fixups[0].mode, 0o4755);
+        assert_eq!(fixups[0].device, None);
+        assert_eq!((fixups[2].mode, fixups[2].gid), (0o2755, 5));
+        assert_eq!(fixups[3].device, Some((NodeKind::Char, 1, 3)));
+        assert_eq!(fixups[3].mode, 0o666);
+    }
+
+    #[test]
+    fn whiteouts_naming_dot_or_dotdot_are_refused_and_touch_nothing() {
+        if !is_root() {
+            return;
+        }
+        for name in [".wh...", ".wh..", ".wh."] {
+            let t = TempDir::new("wh-dots");
+            // A sibling staging tree that `<root>/..` would have reached.
+            let sibling = t.path().join("other-build");
+            fs::create_dir(&sibling).unwrap();
+            fs::write(sibling.join("keep"), b"x").unwrap();
+            let root = t.path().join("root");
+            fs::create_dir(&root).unwrap();
+            fs::write(root.join("kept"), b"k").unwrap();
+            let mut l = LayerBuilder::new();
+            l.raw(raw_header(tar::EntryType::Regular), name, &[]);
+            let mut u = Unpacker::new(&root, Budget::for_disk(64));
+            let r = u.apply_layer(l.finish().as_slice(), "layer 0");
+            assert!(
+                matches!(&r, Err(ImageError::BadImage(m)) if m.contains(name) && m.contains("whiteout")),
+                "{name}: {r:?}"
+            );
+            assert!(
+                sibling.join("keep").exists(),
+                "{name} removed outside the root"
+            );
+            assert!(
+                root.join("kept").exists(),
+                "{name} removed the root's contents"
+            );
+        }
+        // A whiteout under a symlink that climbs out is refused; one under an absolute
+        // symlink removes the file inside the image, not on the host.
+        let outside = TempDir::new("wh-outside");
+        fs::write(outside.path().join("victim"), b"host").unwrap();
+        let mut l1 = LayerBuilder::new();
+        l1.symlink("up", "../../../../../../..")
+            .symlink("abs", &outside.path().display().to_string());
+        let mut l2 = LayerBuilder::new();
+        l2.whiteout("up/victim");
+        let (_t, _root, r) = apply("wh-escape", vec![l1, l2]);
+        assert!(
+            matches!(&r, Err(ImageError::BadImage(m)) if m.contains("escapes")),
+            "{r:?}"
+        );
+        let mut l1 = LayerBuilder::new();
+        l1.symlink("abs", &outside.path().display().to_string());
+        let mut l2 = LayerBuilder::new();
+        l2.whiteout("abs/victim");
+        let (_t, _root, r) = apply("wh-abs", vec![l1, l2]);
+        r.unwrap();
+        assert_eq!(fs::read(outside.path().join("victim")).unwrap(), b"host");
+    }
+
+    #[test]
+    fn budget_stops_a_layer_that_expands_past_the_disk() {
+        if !is_root() {
+            return;
+        }
+        // 2 MiB of zeros compress to almost nothing but are 2 MiB unpacked.
+        let mut l = LayerBuilder::new();
+        l.file("small", 0o644, b"ok")
+            .file("big", 0o644, &vec![0u8; 2 << 20]);
+        let budget = Budget {
+            bytes: 1 << 20,
+            inodes: 1000,
+            disk_mb: 1,
+        };
+        let (_t, root, r) = apply_within("budget-bytes", vec![l], budget);
+        assert!(
+            matches!(&r, Err(ImageError::BadImage(m)) if m.contains("\"big\"") && m.contains("1 MiB")),
+            "{r:?}"
+        );
+        assert!(!root.join("big").exists());
+        // Too many files.
+        let mut l = LayerBuilder::new();
+        for i in 0..50 {
+            l.file(&format!("f{i}"), 0o644, b"");
+        }
+        let budget = Budget {
+            bytes: 1 << 30,
+            inodes: 20,
+            disk_mb: 1024,
+        };
+        let (_t, _root, r) = apply_within("budget-inodes", vec![l], budget);
+        assert!(
+            matches!(&r, Err(ImageError::BadImage(m)) if m.contains("\"f19\"") || m.contains("\"f20\"")),
+            "{r:?}"
+        );
+        // Removed files give their room back: a layer may replace a big file.
+        let mut l1 = LayerBuilder::new();
+        l1.file("big", 0o644, &vec![1u8; 600 << 10]);
+        let mut l2 = LayerBuilder::new();
+        l2.whiteout("big")
+            .file("big2", 0o644, &vec![1u8; 600 << 10]);
+        let budget = Budget {
+            bytes: 1 << 20,
+            inodes: 100,
+            disk_mb: 1,
+        };
+        let (_t, _root, r) = apply_within("budget-refund", vec![l1, l2], budget);
+        r.unwrap();
+    }
+
+    #[test]
+    fn gnu_sparse_files_stay_sparse() {
+        if !is_root() {
+            return;
+        }
+        let real_size: u64 = 64 << 30;
+        let mut l = LayerBuilder::new();
+        l.sparse(
+            "holes",
+            real_size,
+            &[(0, b"head"), (real_size - 4, b"tail")],
+        );
+        let (_t, root, r) = apply_within("sparse", vec![l], Budget::for_disk(64));
+        r.unwrap();
+        let md = fs::metadata(root.join("holes")).unwrap();
+        assert_eq!(md.len(), real_size);
+        assert!(
+            md.blocks() * 512 <= 64 << 10,
+            "{} blocks allocated",
+            md.blocks()
+        );
+        let mut f = fs::File::open(root.join("holes")).unwrap();
+        let mut head = [0u8; 4];
+        f.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"head");
     }
 
     #[test]
@@ -709,7 +1161,7 @@ mod tests {
     }
 
     #[test]
-    fn ownership_setuid_and_mtime_are_kept() {
+    fn ownership_and_mtime_are_kept_and_setuid_is_a_fixup() {
         if !is_root() {
             return;
         }
@@ -717,11 +1169,17 @@ mod tests {
         l.dir("bin", 0o755)
             .file_owned("bin/su", 0o4755, 1000, 2000, b"su")
             .symlink("bin/link", "su");
-        let (_t, root, r) = apply("owner", vec![l]);
-        r.unwrap();
+        let (_t, root, r) = apply_within("owner", vec![l], Budget::for_disk(64));
+        let fixups = r.unwrap();
         let md = fs::symlink_metadata(root.join("bin/su")).unwrap();
         assert_eq!((md.uid(), md.gid()), (1000, 2000));
-        assert_eq!(md.mode() & 0o7777, 0o4755);
+        // setuid only in the ext4 (see the fixup), never on the host.
+        assert_eq!(md.mode() & 0o7777, 0o755);
+        assert_eq!(fixups.len(), 1);
+        assert_eq!(
+            (fixups[0].mode, fixups[0].uid, fixups[0].gid),
+            (0o4755, 1000, 2000)
+        );
         assert_eq!(md.mtime() as u64, crate::image::writer::FIXED_MTIME);
         let dir = fs::symlink_metadata(root.join("bin")).unwrap();
         assert_eq!(dir.mtime() as u64, crate::image::writer::FIXED_MTIME);

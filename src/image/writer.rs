@@ -121,6 +121,42 @@ impl LayerBuilder {
         self.append(h, path, &[])
     }
 
+    pub fn block_device(&mut self, path: &str, mode: u32, major: u32, minor: u32) -> &mut Self {
+        let mut h = Self::header(tar::EntryType::Block, mode);
+        h.set_device_major(major)
+            .expect("GNU headers carry device numbers");
+        h.set_device_minor(minor)
+            .expect("GNU headers carry device numbers");
+        self.append(h, path, &[])
+    }
+
+    /// A GNU sparse file of `real_size` bytes holding `chunks` (offset, data) and holes
+    /// elsewhere: at most 4 chunks, in order, the last one ending at `real_size`. Every
+    /// chunk but the last is padded with zeros to 512 bytes, as the format requires.
+    pub fn sparse(&mut self, path: &str, real_size: u64, chunks: &[(u64, &[u8])]) -> &mut Self {
+        assert!(chunks.len() <= 4, "GNU headers hold 4 sparse chunks");
+        let mut h = Self::header(tar::EntryType::GNUSparse, 0o644);
+        let mut data = Vec::new();
+        {
+            let gnu = h.as_gnu_mut().expect("a GNU header");
+            for (i, (offset, bytes)) in chunks.iter().enumerate() {
+                let mut chunk = bytes.to_vec();
+                if i + 1 < chunks.len() {
+                    chunk.resize(bytes.len().div_ceil(512) * 512, 0);
+                }
+                gnu.sparse[i].set_offset(*offset);
+                gnu.sparse[i].set_length(chunk.len() as u64);
+                data.extend_from_slice(&chunk);
+            }
+            gnu.set_real_size(real_size);
+        }
+        h.set_size(data.len() as u64);
+        self.builder
+            .append_data(&mut h, path, data.as_slice())
+            .expect("writing a tar entry to memory cannot fail");
+        self
+    }
+
     /// Deletes `path` from lower layers (`dir/.wh.name`).
     pub fn whiteout(&mut self, path: &str) -> &mut Self {
         let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));

@@ -261,9 +261,8 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
     // device state, and every sandbox created from the template maps the RAM file
     // copy-on-write instead of loading it (the fast path of create-from-template).
     let template_dir = shared.snapshots.dir(template_id);
-    std::fs::create_dir_all(&template_dir).map_err(|e| {
-        OrchError::Internal(format!("cannot create {}: {e}", template_dir.display()))
-    })?;
+    crate::store::ensure_private_dir(&template_dir)
+        .map_err(|e| OrchError::Internal(e.to_string()))?;
     let booted = operations::boot_fresh(
         shared,
         &sandbox_id,

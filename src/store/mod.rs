@@ -79,6 +79,43 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StoreError> {
         })
 }
 
+/// Makes `root` and every directory under it 0700 and takes group and other bits off
+/// every file (symlinks are neither followed nor changed), so an older or hand-made state
+/// dir is as private as a new one. Files under `keep_files_under` (the VM assets, which
+/// hold no guest data) keep their modes; their directories are still made private.
+/// Returns how many modes changed.
+pub fn tighten_tree(root: &Path, keep_files_under: Option<&Path>) -> Result<u64, StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |path: &Path, source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut changed = 0;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let md = fs::symlink_metadata(&path).map_err(|e| io(&path, e))?;
+        let mode = md.permissions().mode() & 0o7777;
+        let wanted = if md.is_dir() {
+            for entry in fs::read_dir(&path).map_err(|e| io(&path, e))? {
+                stack.push(entry.map_err(|e| io(&path, e))?.path());
+            }
+            0o700
+        } else if md.file_type().is_symlink()
+            || keep_files_under.is_some_and(|k| path.starts_with(k))
+        {
+            continue;
+        } else {
+            mode & !0o077
+        };
+        if mode != wanted {
+            fs::set_permissions(&path, fs::Permissions::from_mode(wanted))
+                .map_err(|e| io(&path, e))?;
+            changed += 1;
+        }
+    }
+    Ok(changed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +133,38 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 1, "{names:?}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn tighten_tree_makes_dirs_0700_and_files_private_but_keeps_assets() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("aenv-tighten-{}", crate::util::new_id()));
+        let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+        let set = |p: &Path, m: u32| fs::set_permissions(p, fs::Permissions::from_mode(m)).unwrap();
+        fs::create_dir_all(dir.join("a/b")).unwrap();
+        fs::create_dir_all(dir.join("assets")).unwrap();
+        fs::write(dir.join("a/b/disk"), b"x").unwrap();
+        fs::write(dir.join("assets/vmlinux"), b"k").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.join("a/link")).unwrap();
+        for (p, m) in [("", 0o755), ("a", 0o777), ("a/b", 0o750), ("assets", 0o755)] {
+            set(&dir.join(p), m);
+        }
+        set(&dir.join("a/b/disk"), 0o644);
+        set(&dir.join("assets/vmlinux"), 0o644);
+        let changed = tighten_tree(&dir, Some(&dir.join("assets"))).unwrap();
+        assert_eq!(changed, 5);
+        for p in ["", "a", "a/b", "assets"] {
+            assert_eq!(mode(&dir.join(p)), 0o700, "{p}");
+        }
+        assert_eq!(mode(&dir.join("a/b/disk")), 0o600);
+        assert_eq!(mode(&dir.join("assets/vmlinux")), 0o644);
+        assert_eq!(
+            mode(Path::new("/etc/passwd")),
+            0o644,
+            "a symlink is never followed"
+        );
+        assert_eq!(tighten_tree(&dir, None).unwrap(), 1);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -122,3 +122,10 @@ pub fn total_memory_mb() -> u64 {
     }
     (pages as u64 * size as u64) >> 20
 }
+
+/// Sets the process's file mode creation mask (for every thread and child) and returns
+/// the previous one.
+pub fn set_umask(mask: u32) -> u32 {
+    // SAFETY: umask only swaps an integer in the process's fs state; it cannot fail.
+    unsafe { libc::umask(mask as libc::mode_t) as u32 }
+}

@@ -218,8 +218,17 @@ impl Vm {
     ) -> Result<(CaptureRecord, CaptureStats), VmError> {
         let started = Instant::now();
         let mut stats = CaptureStats::default();
-        std::fs::create_dir_all(dir)
-            .map_err(|e| VmError::io(format!("cannot create capture dir {}", dir.display()), e))?;
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            // Private: it holds the guest's RAM and device state.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| {
+                    VmError::io(format!("cannot create capture dir {}", dir.display()), e)
+                })?;
+        }
         let state = dir.join(STATE_FILE);
         let partial = dir.join(format!("{STATE_FILE}{PARTIAL_SUFFIX}"));
         for stale in [&state, &partial] {
