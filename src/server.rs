@@ -67,6 +67,13 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     let api_key = resolve_api_key(&config)?;
     let accel = crate::vm::detect_accel(config.vm.accel)?;
     log::info!("op=startup accel={accel:?}");
+    if !matches!(accel, crate::vm::Accel::Kvm) {
+        log::warn!(
+            "op=startup accel=tcg warning=\"no KVM on this host: guests run under QEMU's TCG, \
+             which QEMU does not treat as a security boundary (docs/security.md); run \
+             untrusted guests on a host with KVM\""
+        );
+    }
     let hooks = HookClient::start(&config.custom_extension, state_dir.join("journal"))?;
     // Slots recorded for open instances stay until their recovery stop's first attempt,
     // so the extension can still enter the namespace (network.md §6.3, CE §9.3).

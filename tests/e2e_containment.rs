@@ -20,8 +20,17 @@ fn hostile_hosts_and_guests_are_contained() {
     assert!(server.state_dir.as_os_str().len() >= 100);
     server.spawn();
     let id = sandbox_from_a_template(&server);
+    qemu_gets_an_empty_environment(&id);
     console_flood_is_bounded(&server, &id);
     second_server_is_refused(&server, &id);
+}
+
+/// The server's environment (API key, extension token) does not reach QEMU.
+fn qemu_gets_an_empty_environment(id: &str) {
+    let pids = qemu_processes_with(id);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let environ = std::fs::read(format!("/proc/{}/environ", pids[0])).unwrap();
+    assert!(environ.is_empty(), "{}", String::from_utf8_lossy(&environ));
 }
 
 /// `yes … > /dev/console` in a guest: the console log rotates at 2 MiB and keeps one

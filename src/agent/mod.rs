@@ -3,6 +3,13 @@
 //!
 //! One connection carries every call; a reader thread demultiplexes frames by call id
 //! (see [`protocol`]), so commands and file streams run concurrently.
+//!
+//! The guest is untrusted: every frame it sends is bounded by kind ([`guest_payload_limit`]),
+//! `Data` only within the credit the host granted for that call, each call's queue is
+//! bounded, and an exec result is cut to the request's cap again here. A guest that breaks
+//! the protocol gets its channel closed (every call fails with [`AgentError::Protocol`]),
+//! a log line, and [`AgentClient::protocol_violation`] says why; the server and other
+//! sandboxes are unaffected.
 
 pub mod protocol;
 
@@ -20,8 +27,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use protocol::{
-    ErrorKind, Frame, FrameKind, FrameReader, Request, Response, MAX_CHUNK, PROTOCOL_VERSION,
-    STREAM_WINDOW,
+    ErrorKind, Frame, FrameDecoder, FrameKind, Request, Response, MAX_CHUNK, MAX_PAYLOAD,
+    PROTOCOL_VERSION, STREAM_WINDOW,
 };
 
 /// One command to run in the guest (api.md §4.17), already validated and merged.
@@ -100,6 +107,41 @@ const SHORT_CALL: Duration = Duration::from_secs(30);
 /// Extra time the guest gets beyond a command's own timeout (kill, drain, reply).
 const EXEC_GRACE: Duration = Duration::from_secs(30);
 
+/// Largest payload of a frame kind that carries no data (`End`, `Credit`, ...).
+const SMALL_PAYLOAD: u32 = 64;
+/// Frames queued per call: a window of data in 1 KiB frames; a guest that sends more
+/// before the host reads them breaks the protocol.
+const CALL_QUEUE: usize = (STREAM_WINDOW / 1024) as usize;
+/// Bytes the host skips looking for a frame start before it gives up on the guest: one
+/// torn frame at the start of the connection, and some.
+const MAX_SKIPPED: u64 = MAX_PAYLOAD as u64 + (1 << 20);
+
+/// The largest payload the host accepts from a guest for each kind: `Data` is one chunk,
+/// a `Response` may hold an exec result, anything else is a few bytes.
+pub fn guest_payload_limit(kind: FrameKind) -> u32 {
+    match kind {
+        FrameKind::Data => MAX_CHUNK as u32,
+        FrameKind::Response => MAX_PAYLOAD,
+        FrameKind::End | FrameKind::Credit | FrameKind::Request | FrameKind::Cancel => {
+            SMALL_PAYLOAD
+        }
+    }
+}
+
+/// What the decoder refused or skipped so far, as a violation.
+fn check_stream(decoder: &FrameDecoder) -> Result<(), String> {
+    if let Some((kind, len)) = decoder.oversized {
+        return Err(format!(
+            "a {kind:?} frame of {len} bytes (the limit is {})",
+            guest_payload_limit(kind)
+        ));
+    }
+    if decoder.skipped >= MAX_SKIPPED {
+        return Err(format!("{} bytes that are not frames", decoder.skipped));
+    }
+    Ok(())
+}
+
 /// What the demultiplexer hands to a call.
 enum Inbound {
     Response(Response),
@@ -109,18 +151,35 @@ enum Inbound {
     Closed(String),
 }
 
+/// A call the demultiplexer feeds.
+struct PendingCall {
+    tx: Sender<Inbound>,
+    /// Data bytes the guest may still send on this call (granted by the host's `Credit`).
+    credit: u64,
+}
+
 struct Shared {
     writer: Mutex<UnixStream>,
-    pending: Mutex<HashMap<u64, Sender<Inbound>>>,
+    pending: Mutex<HashMap<u64, PendingCall>>,
     next_id: AtomicU64,
     /// Why the connection is gone, once it is.
     dead: Mutex<Option<String>>,
+    /// Set when the guest broke the protocol (and the channel was closed for it).
+    violation: Mutex<Option<String>>,
+    /// Names the guest in log lines (the sandbox id).
+    label: Mutex<String>,
 }
 
 impl Shared {
     fn send(&self, frame: &Frame) -> Result<(), AgentError> {
         if let Some(reason) = self.dead.lock().clone() {
-            return Err(AgentError::Unreachable(reason));
+            return Err(self.closed_error(reason));
+        }
+        if frame.kind == FrameKind::Credit {
+            // Granted before it is on the wire: the guest's answer cannot overtake it.
+            if let Some(call) = self.pending.lock().get_mut(&frame.id) {
+                call.credit += u64::from(frame.credit_bytes());
+            }
         }
         let mut w = self.writer.lock();
         protocol::write_frame(&mut *w, frame).map_err(|e| {
@@ -130,36 +189,97 @@ impl Shared {
         })
     }
 
-    fn demux(self: Arc<Self>, stream: UnixStream) {
-        let mut reader = FrameReader::new(stream);
-        let reason = loop {
-            let frame = match reader.read_frame() {
-                Ok(Some(f)) => f,
-                Ok(None) => break "the agent channel was closed".to_string(),
+    /// The error for a call on a closed channel.
+    fn closed_error(&self, reason: String) -> AgentError {
+        if self.violation.lock().is_some() {
+            AgentError::Protocol(reason)
+        } else {
+            AgentError::Unreachable(reason)
+        }
+    }
+
+    fn demux(self: Arc<Self>, mut stream: UnixStream) {
+        let mut decoder = FrameDecoder::with_limit(guest_payload_limit);
+        let mut chunk = vec![0u8; 128 * 1024];
+        let reason = 'read: loop {
+            while let Some(frame) = decoder.next_frame() {
+                if let Err(violation) = self.dispatch(frame) {
+                    break 'read self.violated(violation);
+                }
+            }
+            if let Err(violation) = check_stream(&decoder) {
+                break self.violated(violation);
+            }
+            let n = match stream.read(&mut chunk) {
+                Ok(0) => break "the agent channel was closed".to_string(),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => break format!("reading the agent channel failed: {e}"),
             };
-            let msg = match frame.kind {
-                FrameKind::Response => match serde_json::from_slice::<Response>(&frame.payload) {
-                    Ok(r) => Inbound::Response(r),
-                    Err(e) => Inbound::Closed(format!("undecodable response from agent: {e}")),
-                },
-                FrameKind::Data => Inbound::Data(frame.payload),
-                FrameKind::End => Inbound::End,
-                FrameKind::Credit => Inbound::Credit(frame.credit_bytes()),
-                FrameKind::Request | FrameKind::Cancel => {
-                    log::debug!("agent sent an unexpected frame kind={:?}", frame.kind);
-                    continue;
-                }
-            };
-            // Frames for calls nobody waits for any more (timed out, dropped) are dropped.
-            if let Some(tx) = self.pending.lock().get(&frame.id) {
-                let _ = tx.send(msg);
+            decoder.push(&chunk[..n]);
+        };
+        if self.violation.lock().is_some() {
+            // The guest sees its channel end; nothing more it sends is read.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        *self.dead.lock() = Some(reason.clone());
+        for (_, call) in self.pending.lock().drain() {
+            let _ = call.tx.try_send(Inbound::Closed(reason.clone()));
+        }
+    }
+
+    /// Hands one frame to its call; `Err` when the frame breaks the protocol.
+    fn dispatch(&self, frame: Frame) -> Result<(), String> {
+        let msg = match frame.kind {
+            FrameKind::Response => match serde_json::from_slice::<Response>(&frame.payload) {
+                Ok(r) => Inbound::Response(r),
+                Err(e) => return Err(format!("an undecodable response: {e}")),
+            },
+            FrameKind::Data => Inbound::Data(frame.payload),
+            FrameKind::End => Inbound::End,
+            FrameKind::Credit => Inbound::Credit(frame.credit_bytes()),
+            FrameKind::Request | FrameKind::Cancel => {
+                return Err(format!(
+                    "a {:?} frame, which only the host sends",
+                    frame.kind
+                ))
             }
         };
-        *self.dead.lock() = Some(reason.clone());
-        for (_, tx) in self.pending.lock().drain() {
-            let _ = tx.send(Inbound::Closed(reason.clone()));
+        let mut pending = self.pending.lock();
+        // Frames for calls nobody waits for any more (timed out, dropped) are dropped.
+        let Some(call) = pending.get_mut(&frame.id) else {
+            return Ok(());
+        };
+        if let Inbound::Data(bytes) = &msg {
+            let len = bytes.len() as u64;
+            if len > call.credit {
+                return Err(format!(
+                    "{len} data bytes on call {} with {} bytes of credit",
+                    frame.id, call.credit
+                ));
+            }
+            call.credit -= len;
         }
+        match call.tx.try_send(msg) {
+            Ok(()) => Ok(()),
+            // The caller gave up on the call (timed out) and is about to unregister it.
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => Ok(()),
+            Err(crossbeam_channel::TrySendError::Full(_)) => Err(format!(
+                "more than {CALL_QUEUE} unread frames on call {}",
+                frame.id
+            )),
+        }
+    }
+
+    /// Records a violation and returns the reason every call then fails with.
+    fn violated(&self, what: String) -> String {
+        let reason = format!("the guest broke the agent protocol ({what}); its channel is closed");
+        log::warn!(
+            "agent sandboxId={} result=protocol_violation reason=\"{what}\"",
+            self.label.lock()
+        );
+        *self.violation.lock() = Some(reason.clone());
+        reason
     }
 }
 
@@ -173,8 +293,11 @@ struct Call {
 impl Call {
     fn open(shared: &Arc<Shared>, req: &Request) -> Result<Call, AgentError> {
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = crossbeam_channel::unbounded();
-        shared.pending.lock().insert(id, tx);
+        let (tx, rx) = crossbeam_channel::bounded(CALL_QUEUE);
+        shared
+            .pending
+            .lock()
+            .insert(id, PendingCall { tx, credit: 0 });
         let call = Call {
             shared: shared.clone(),
             id,
@@ -190,7 +313,7 @@ impl Call {
 
     fn recv(&self, timeout: Duration, what: &str) -> Result<Inbound, AgentError> {
         match self.rx.recv_timeout(timeout) {
-            Ok(Inbound::Closed(reason)) => Err(AgentError::Unreachable(reason)),
+            Ok(Inbound::Closed(reason)) => Err(self.shared.closed_error(reason)),
             Ok(msg) => Ok(msg),
             Err(RecvTimeoutError::Timeout) => Err(AgentError::Unreachable(format!(
                 "no answer to {what} within {} ms",
@@ -219,7 +342,7 @@ impl Call {
                         "unexpected data frame while waiting for {what}"
                     )))
                 }
-                Inbound::Closed(reason) => return Err(AgentError::Unreachable(reason)),
+                Inbound::Closed(reason) => return Err(self.shared.closed_error(reason)),
             }
         }
     }
@@ -228,6 +351,18 @@ impl Call {
 impl Drop for Call {
     fn drop(&mut self) {
         self.shared.pending.lock().remove(&self.id);
+    }
+}
+
+/// Cuts `text` to at most `cap` bytes (on a character boundary), flagging the cut.
+fn cap_output(text: &mut String, truncated: &mut bool, cap: usize) {
+    if text.len() > cap {
+        let mut end = cap;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        *truncated = true;
     }
 }
 
@@ -294,6 +429,8 @@ impl AgentClient {
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(first_id),
             dead: Mutex::new(None),
+            violation: Mutex::new(None),
+            label: Mutex::new(String::new()),
         });
         let demux = shared.clone();
         std::thread::Builder::new()
@@ -301,6 +438,16 @@ impl AgentClient {
             .spawn(move || demux.demux(reader))
             .map_err(io_err)?;
         Ok(AgentClient { shared, stream })
+    }
+
+    /// Names the guest (its sandbox id) in this client's log lines.
+    pub fn set_label(&self, label: &str) {
+        *self.shared.label.lock() = label.to_string();
+    }
+
+    /// Why the channel was closed on the guest, when it broke the protocol.
+    pub fn protocol_violation(&self) -> Option<String> {
+        self.shared.violation.lock().clone()
     }
 
     /// Checks the agent answers and speaks our protocol version.
@@ -326,7 +473,13 @@ impl AgentClient {
         let call = Call::open(&self.shared, &Request::Exec(req.clone()))?;
         let wait = Duration::from_millis(req.timeout_ms) + EXEC_GRACE;
         match call.response(wait, "command")? {
-            Response::Exec(result) => Ok(result),
+            Response::Exec(mut result) => {
+                // The guest's own cap is not trusted.
+                let cap = usize::try_from(req.max_output_bytes).unwrap_or(usize::MAX);
+                cap_output(&mut result.stdout, &mut result.stdout_truncated, cap);
+                cap_output(&mut result.stderr, &mut result.stderr_truncated, cap);
+                Ok(result)
+            }
             other => Err(unexpected("command", &other)),
         }
     }
@@ -366,6 +519,7 @@ impl AgentClient {
         let mut credit: u64 = 0;
         let mut sent: u64 = 0;
         let mut buf = vec![0u8; MAX_CHUNK];
+        let shared = &self.shared;
         let handle = |msg: Inbound, credit: &mut u64| -> Result<(), AgentError> {
             match msg {
                 Inbound::Credit(n) => {
@@ -376,7 +530,7 @@ impl AgentClient {
                     Err(AgentError::from_guest(kind, message))
                 }
                 Inbound::Response(other) => Err(unexpected("file upload", &other)),
-                Inbound::Closed(reason) => Err(AgentError::Unreachable(reason)),
+                Inbound::Closed(reason) => Err(shared.closed_error(reason)),
                 Inbound::Data(_) | Inbound::End => Err(AgentError::Protocol(
                     "unexpected data frame during upload".into(),
                 )),
@@ -497,7 +651,7 @@ impl Read for FileDownload {
                 Inbound::Credit(_) => {}
                 Inbound::Closed(reason) => {
                     self.finished = true;
-                    return Err(io::Error::other(AgentError::Unreachable(reason)));
+                    return Err(io::Error::other(self.call.shared.closed_error(reason)));
                 }
             }
         }
@@ -518,5 +672,7 @@ impl Drop for FileDownload {
     }
 }
 
+#[cfg(test)]
+mod hostile_tests;
 #[cfg(test)]
 mod tests;

@@ -21,7 +21,11 @@
 //! `WriteFile` → `UploadReady` + `Credit` → host sends `Data`… `End` → `Done` or `Error`.
 //!
 //! A reader that sees a bad magic or an oversized length skips ahead to the next magic, so a
-//! peer that reconnects in the middle of a frame resynchronises.
+//! peer that reconnects in the middle of a frame resynchronises. A receiver may bound each
+//! kind's payload tighter than [`MAX_PAYLOAD`] ([`FrameDecoder::with_limit`]): the host does
+//! for everything a guest sends, so a half-received frame never holds more than its kind
+//! allows, and reports what a well-behaved peer never sends ([`FrameDecoder::oversized`],
+//! [`FrameDecoder::skipped`]).
 
 use std::io::{self, Read, Write};
 
@@ -117,12 +121,28 @@ pub fn write_frame(w: &mut dyn Write, frame: &Frame) -> io::Result<()> {
     w.flush()
 }
 
+/// The largest payload a receiver accepts for each kind.
+pub type PayloadLimit = fn(FrameKind) -> u32;
+
 /// Incremental decoder: feed bytes as they arrive, take complete frames out.
-#[derive(Default)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
-    /// Bytes skipped while looking for a frame start since the last good frame.
+    /// Where the unread bytes of `buf` start (skipping moves this, not the bytes).
+    start: usize,
+    limit: PayloadLimit,
+    /// A complete frame was decoded: the stream is in sync from here on.
+    synced: bool,
+    /// Bytes skipped while looking for a frame start.
     pub skipped: u64,
+    /// A well-formed header whose length exceeds its kind's limit, met after the stream
+    /// was in sync (a peer breaking the protocol rather than a torn frame).
+    pub oversized: Option<(FrameKind, u32)>,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> FrameDecoder {
+        FrameDecoder::with_limit(|_| MAX_PAYLOAD)
+    }
 }
 
 impl FrameDecoder {
@@ -130,56 +150,93 @@ impl FrameDecoder {
         FrameDecoder::default()
     }
 
+    /// A decoder that treats a frame longer than `limit(kind)` as garbage.
+    pub fn with_limit(limit: PayloadLimit) -> FrameDecoder {
+        FrameDecoder {
+            buf: Vec::new(),
+            start: 0,
+            limit,
+            synced: false,
+            skipped: 0,
+            oversized: None,
+        }
+    }
+
     pub fn push(&mut self, bytes: &[u8]) {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes held: at most one partial frame (within its kind's limit) plus the last push.
+    pub fn buffered(&self) -> usize {
+        self.buf.len() - self.start
     }
 
     /// Drops any partial frame (the peer went away mid-frame).
     pub fn reset(&mut self) {
         self.buf.clear();
+        self.start = 0;
     }
 
     /// The next complete frame, if one is buffered. Garbage before it is skipped.
     pub fn next_frame(&mut self) -> Option<Frame> {
         loop {
-            if self.buf.len() < HEADER_LEN {
+            let rest = &self.buf[self.start..];
+            if rest.len() < HEADER_LEN {
                 self.drop_garbage_prefix();
                 return None;
             }
-            let kind = FrameKind::from_byte(self.buf[2]);
-            let len = u32::from_le_bytes([self.buf[12], self.buf[13], self.buf[14], self.buf[15]]);
-            if self.buf[..2] != MAGIC || kind.is_none() || self.buf[3] != 0 || len > MAX_PAYLOAD {
-                self.buf.drain(..1);
-                self.skipped += 1;
+            let kind = FrameKind::from_byte(rest[2]);
+            let len = u32::from_le_bytes([rest[12], rest[13], rest[14], rest[15]]);
+            let Some(kind) = kind.filter(|_| rest[..2] == MAGIC && rest[3] == 0) else {
+                self.skip(1);
+                continue;
+            };
+            if len > (self.limit)(kind).min(MAX_PAYLOAD) {
+                if self.synced && self.oversized.is_none() {
+                    self.oversized = Some((kind, len));
+                }
+                self.skip(1);
                 continue;
             }
             let total = HEADER_LEN + len as usize;
-            if self.buf.len() < total {
+            if rest.len() < total {
                 return None;
             }
-            let id = u64::from_le_bytes(self.buf[4..12].try_into().unwrap_or([0; 8]));
-            let payload = self.buf[HEADER_LEN..total].to_vec();
-            self.buf.drain(..total);
-            return Some(Frame {
-                kind: kind?,
-                id,
-                payload,
-            });
+            let id = u64::from_le_bytes(rest[4..12].try_into().unwrap_or([0; 8]));
+            let payload = rest[HEADER_LEN..total].to_vec();
+            self.start += total;
+            self.synced = true;
+            return Some(Frame { kind, id, payload });
         }
+    }
+
+    /// Skips `n` bytes, then on to the next byte that may start a frame.
+    fn skip(&mut self, n: usize) {
+        let rest = &self.buf[self.start + n..];
+        let next = rest
+            .iter()
+            .position(|&b| b == MAGIC[0])
+            .unwrap_or(rest.len());
+        self.start += n + next;
+        self.skipped += (n + next) as u64;
     }
 
     /// With less than a header buffered, drop bytes that cannot start a frame.
     fn drop_garbage_prefix(&mut self) {
-        while let Some(&b) = self.buf.first() {
-            let ok = match self.buf.len() {
+        while let Some(&b) = self.buf.get(self.start) {
+            let rest = &self.buf[self.start..];
+            let ok = match rest.len() {
                 1 => b == MAGIC[0],
-                _ => self.buf[..2] == MAGIC,
+                _ => rest[..2] == MAGIC,
             };
             if ok {
                 break;
             }
-            self.buf.drain(..1);
-            self.skipped += 1;
+            self.skip(1);
         }
     }
 }
@@ -293,6 +350,39 @@ mod tests {
         dec.push(&wire);
         assert_eq!(frames(&mut dec), vec![good]);
         assert!(dec.skipped > 0);
+    }
+
+    #[test]
+    fn per_kind_limits_bound_the_buffer_and_report_oversized_frames() {
+        let limit: PayloadLimit = |k| if k == FrameKind::Data { 8 } else { 64 };
+        let mut dec = FrameDecoder::with_limit(limit);
+        // Before the first good frame an oversized header is a torn frame: skipped quietly.
+        dec.push(&Frame::new(FrameKind::Data, 1, vec![1; 9]).encode());
+        assert_eq!(dec.next_frame(), None);
+        assert!(dec.oversized.is_none() && dec.skipped > 0);
+        let ok = Frame::new(FrameKind::Data, 1, vec![2; 8]);
+        dec.push(&ok.encode());
+        assert_eq!(dec.next_frame(), Some(ok));
+        // In sync, a header announcing a giant frame is reported and never buffered.
+        let mut giant = Frame::new(FrameKind::Data, 1, vec![]).encode();
+        giant[12..16].copy_from_slice(&(1u32 << 30).to_le_bytes());
+        dec.push(&giant);
+        dec.push(&[0u8; 4096]);
+        assert_eq!(dec.next_frame(), None);
+        assert_eq!(dec.oversized, Some((FrameKind::Data, 1 << 30)));
+        assert!(dec.buffered() < HEADER_LEN, "{}", dec.buffered());
+    }
+
+    #[test]
+    fn garbage_is_skipped_in_linear_time() {
+        let mut dec = FrameDecoder::new();
+        // Every byte a possible frame start: 4 MiB of 'A's.
+        dec.push(&vec![b'A'; 4 << 20]);
+        assert_eq!(dec.next_frame(), None);
+        assert!(dec.buffered() < HEADER_LEN);
+        let good = Frame::new(FrameKind::End, 5, vec![]);
+        dec.push(&good.encode());
+        assert_eq!(dec.next_frame(), Some(good));
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! submission order. A lane with work never waits for a free worker: if no worker is idle,
 //! a new one is spawned, so a hanging hook for one sandbox cannot hold back another.
 //! Idle workers are reused (no thread spawn on the hot path) and exit after
-//! `IDLE_EXIT` without work.
+//! `IDLE_EXIT` without work. When no worker thread can be spawned (the host is out of
+//! threads or memory), the submitting thread serves the lane itself: a lane is never left
+//! without a worker.
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use log::error;
@@ -17,6 +19,9 @@ use std::time::Duration;
 
 pub type Job = Box<dyn FnOnce() + Send + 'static>;
 
+/// Starts a worker thread running the given closure (a seam: tests make it fail).
+pub type Spawner = Box<dyn Fn(Job) -> std::io::Result<()> + Send + Sync>;
+
 const IDLE_EXIT: Duration = Duration::from_secs(30);
 
 pub struct Lanes {
@@ -25,6 +30,7 @@ pub struct Lanes {
     /// the decrement of `idle`, so that an exiting worker cannot strand a lane.
     ready_tx: Sender<String>,
     ready_rx: Receiver<String>,
+    spawn: Spawner,
 }
 
 #[derive(Default)]
@@ -36,11 +42,21 @@ struct State {
 
 impl Lanes {
     pub fn new() -> Arc<Lanes> {
+        Lanes::with_spawner(Box::new(|job| {
+            std::thread::Builder::new()
+                .name("hook-worker".into())
+                .spawn(job)
+                .map(drop)
+        }))
+    }
+
+    pub fn with_spawner(spawn: Spawner) -> Arc<Lanes> {
         let (ready_tx, ready_rx) = unbounded();
         Arc::new(Lanes {
             state: Mutex::new(State::default()),
             ready_tx,
             ready_rx,
+            spawn,
         })
     }
 
@@ -60,10 +76,10 @@ impl Lanes {
         drop(st);
         let lanes = Arc::clone(self);
         let first = key.to_string();
-        std::thread::Builder::new()
-            .name("hook-worker".into())
-            .spawn(move || lanes.worker(first))
-            .expect("spawn hook worker thread");
+        if let Err(e) = (self.spawn)(Box::new(move || lanes.worker(first))) {
+            error!("cannot spawn a hook worker thread lane={key} error=\"{e}\"; the caller serves the lane");
+            self.run_lane(key);
+        }
     }
 
     /// Keys of the lanes that have queued or running work.
@@ -157,6 +173,19 @@ mod tests {
         lanes.submit("a", Box::new(|| panic!("boom")));
         lanes.submit("a", Box::new(move || tx.send(1).unwrap()));
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(1));
+    }
+
+    #[test]
+    fn a_lane_whose_worker_cannot_spawn_is_still_served() {
+        let lanes = Lanes::with_spawner(Box::new(|_| Err(std::io::Error::other("no threads"))));
+        let (tx, rx) = unbounded();
+        for i in 0..3 {
+            let tx = tx.clone();
+            lanes.submit("a", Box::new(move || tx.send(i).unwrap()));
+        }
+        let got: Vec<i32> = rx.try_iter().collect();
+        assert_eq!(got, [0, 1, 2]);
+        assert!(lanes.active_keys().is_empty());
     }
 
     #[test]

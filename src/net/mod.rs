@@ -17,6 +17,8 @@ mod real_tests;
 pub use firewall::guest_dns;
 pub use layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, TAP_MAC, TAP_NAME};
 pub use manager::{SlotManager, SlotStats};
+#[cfg(test)]
+pub(crate) use slot::tests::FakeHost;
 pub use slot::Slot;
 
 use crate::sys::SysError;

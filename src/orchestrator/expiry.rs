@@ -1,16 +1,71 @@
 //! The expiry thread: once a second, running sandboxes past `endAt` are stopped:
 //! `autoPause: true` pauses (stop reason `timeout-pause`), `false` deletes
-//! (`timeout-kill`). Paused sandboxes never expire.
+//! (`timeout-kill`). Paused sandboxes never expire. One expiry per sandbox runs at a time,
+//! and one that failed (a pause migrates all of the guest's RAM) is retried with an
+//! exponential backoff, not every second.
 
 use super::operations::pause;
 use super::{delete, SandboxState, Shared};
 use crate::hooks::StopReason;
-use std::sync::Weak;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 const CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// Wait after a first failed expiry; doubled per further failure up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(5);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+
+/// Expiries in flight, and when failed ones may run again.
+#[derive(Default)]
+struct Backoff {
+    sandboxes: HashMap<String, Attempts>,
+}
+
+struct Attempts {
+    failures: u32,
+    not_before: SystemTime,
+    in_flight: bool,
+}
+
+impl Backoff {
+    /// Whether an expiry of `id` may start now; if so it is in flight until [`Backoff::done`].
+    fn start(&mut self, id: &str, now: SystemTime) -> bool {
+        let a = self.sandboxes.entry(id.to_string()).or_insert(Attempts {
+            failures: 0,
+            not_before: now,
+            in_flight: false,
+        });
+        if a.in_flight || now < a.not_before {
+            return false;
+        }
+        a.in_flight = true;
+        true
+    }
+
+    fn done(&mut self, id: &str, ok: bool, now: SystemTime) {
+        if ok {
+            self.sandboxes.remove(id);
+            return;
+        }
+        if let Some(a) = self.sandboxes.get_mut(id) {
+            a.in_flight = false;
+            a.failures += 1;
+            let factor = 1u32 << (a.failures - 1).min(16);
+            a.not_before = now + (FIRST_BACKOFF * factor).min(MAX_BACKOFF);
+        }
+    }
+
+    /// Forgets sandboxes that are no longer expired (deleted, extended), unless in flight.
+    fn keep_only(&mut self, expired: &[(String, bool)]) {
+        self.sandboxes
+            .retain(|id, a| a.in_flight || expired.iter().any(|(e, _)| e == id));
+    }
+}
 
 pub(crate) fn spawn(shared: Weak<Shared>) {
+    let backoff = Arc::new(Mutex::new(Backoff::default()));
     std::thread::Builder::new()
         .name("expiry".into())
         .spawn(move || loop {
@@ -18,21 +73,38 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
             let Some(shared) = shared.upgrade() else {
                 return;
             };
-            for (id, auto_pause) in expired(&shared, SystemTime::now()) {
+            let now = SystemTime::now();
+            let expired = expired(&shared, now);
+            backoff.lock().keep_only(&expired);
+            for (id, auto_pause) in expired {
+                if !backoff.lock().start(&id, now) {
+                    continue;
+                }
                 let shared = shared.clone();
                 // Each expiry runs on its own thread so a slow teardown never delays
                 // another sandbox's expiry.
-                std::thread::spawn(move || {
-                    let result = if auto_pause {
-                        pause(&shared, &id, StopReason::TimeoutPause).map(|()| "paused")
-                    } else {
-                        delete(&shared, &id, StopReason::TimeoutKill).map(|()| "deleted")
-                    };
-                    match result {
-                        Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
-                        Err(e) => log::warn!("sandboxId={id} op=expire error=\"{e}\""),
+                let spawned = std::thread::Builder::new().name("expire".into()).spawn({
+                    let id = id.clone();
+                    let backoff = backoff.clone();
+                    move || {
+                        let result = if auto_pause {
+                            pause(&shared, &id, StopReason::TimeoutPause).map(|()| "paused")
+                        } else {
+                            delete(&shared, &id, StopReason::TimeoutKill).map(|()| "deleted")
+                        };
+                        backoff.lock().done(&id, result.is_ok(), SystemTime::now());
+                        match result {
+                            Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
+                            Err(e) => log::warn!(
+                                "sandboxId={id} op=expire error=\"{e}\" (retried with backoff)"
+                            ),
+                        }
                     }
                 });
+                if let Err(e) = spawned {
+                    log::warn!("sandboxId={id} op=expire error=\"cannot spawn a thread: {e}\"");
+                    backoff.lock().done(&id, false, SystemTime::now());
+                }
             }
         })
         .expect("spawn expiry thread");
@@ -49,4 +121,40 @@ fn expired(shared: &Shared, now: SystemTime) -> Vec<(String, bool)> {
                 .then(|| (info.id.clone(), info.auto_pause))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_expiry_backs_off_and_never_overlaps() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut b = Backoff::default();
+        assert!(b.start("a", t0));
+        assert!(!b.start("a", at(1)), "one expiry of a sandbox at a time");
+        b.done("a", false, at(1));
+        // Not every second: 5 s, then 10 s, then 20 s after each failure.
+        assert!(!b.start("a", at(2)));
+        assert!(!b.start("a", at(5)));
+        assert!(b.start("a", at(6)));
+        b.done("a", false, at(6));
+        assert!(!b.start("a", at(15)));
+        assert!(b.start("a", at(16)));
+        b.done("a", false, at(16));
+        assert!(!b.start("a", at(35)));
+        assert!(b.start("a", at(36)));
+        b.done("a", true, at(37));
+        assert!(b.sandboxes.is_empty());
+        // The cap holds however often it failed.
+        for i in 0..40 {
+            assert!(b.start("b", at(10_000 * i)));
+            b.done("b", false, at(10_000 * i));
+        }
+        assert!(b.sandboxes["b"].not_before <= at(10_000 * 39) + MAX_BACKOFF);
+        // A sandbox that is no longer expired is forgotten.
+        b.keep_only(&[]);
+        assert!(b.sandboxes.is_empty());
+    }
 }

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 /// How long a call waits for the current transition to end (api.md §2.3).
 pub(crate) const TRANSITION_WAIT: Duration = Duration::from_secs(60);
+/// How often a wait re-reads a state that nobody holds the lock for.
+const STUCK_POLL: Duration = Duration::from_millis(20);
 
 /// The outcome of admitting a call.
 #[derive(Debug)]
@@ -58,9 +60,23 @@ pub(crate) fn admit_within<'a>(
             }
             Decision::AlreadyDone => return Ok(Admitted::AlreadyDone(state)),
             Decision::Wait => {
-                // The transition's owner holds the lock; getting it means it ended.
+                // The transition's owner holds the lock; getting it means it ended, unless
+                // the state did not move: an operation that failed midway (a panic) left
+                // it behind. Then the wait is bounded by the deadline like any other.
                 match entry.lifecycle.try_lock_until(deadline) {
-                    Some(guard) => drop(guard),
+                    Some(guard) => {
+                        let stuck = entry.state() == state;
+                        drop(guard);
+                        if stuck {
+                            if Instant::now() >= deadline {
+                                return Err(OrchError::Conflict(format!(
+                                    "sandbox {id} is still {}",
+                                    state.name()
+                                )));
+                            }
+                            std::thread::sleep(STUCK_POLL);
+                        }
+                    }
                     None => {
                         return Err(OrchError::Conflict(format!(
                             "sandbox {id} is still {}",
@@ -160,6 +176,25 @@ mod tests {
         assert!(
             t.join().unwrap(),
             "pause during pausing waits, then is a no-op"
+        );
+    }
+
+    #[test]
+    fn a_transition_left_behind_by_a_failed_operation_ends_in_409_at_the_deadline() {
+        // Pausing, and nobody holds the lifecycle lock: the operation that set it is gone.
+        let e = Arc::new(entry(SandboxState::Pausing));
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let e2 = e.clone();
+        std::thread::spawn(move || {
+            let _ = tx
+                .send(admit_within(&e2, "s", Call::Pause, Duration::from_millis(100)).map(|_| ()));
+        });
+        let result = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("admit spun past its deadline");
+        assert_eq!(
+            result.unwrap_err(),
+            OrchError::Conflict("sandbox s is still pausing".into())
         );
     }
 

@@ -113,26 +113,80 @@ pub(crate) enum PauseOutcome {
 /// Commits a pause durably (the paused record) before the stop hook is sent.
 pub(crate) type PauseCommit = Box<dyn FnOnce(&CaptureRecord) -> Result<(), OrchError> + Send>;
 
+/// Starts a named thread running the closure (a seam: tests make it fail).
+pub(crate) type ThreadSpawner = fn(String, Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
+
+fn spawn_thread(name: String, body: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+    std::thread::Builder::new().name(name).spawn(body).map(drop)
+}
+
+/// What a start that never reached its supervisor owes (CE §7.3): the stop hook for the
+/// instance its start hook opened, and the slot.
+pub(crate) trait StartDebts {
+    fn stop(&self, instance: Instance, reason: StopReason);
+    fn release(&self, slot: Slot);
+}
+
+impl StartDebts for Shared {
+    fn stop(&self, instance: Instance, reason: StopReason) {
+        self.hooks.stop(instance, reason);
+    }
+
+    fn release(&self, slot: Slot) {
+        self.slots.release(slot);
+    }
+}
+
+/// Runs `body(plan)` on a new thread named after the sandbox. The plan waits in a hand-off
+/// cell until the thread takes it, so when the thread cannot start it is still here: its
+/// stop is sent and its slot released through `debts`, and its run dir goes with it.
+fn spawn_supervisor(
+    plan: StartPlan,
+    spawn: ThreadSpawner,
+    debts: &dyn StartDebts,
+    body: impl FnOnce(StartPlan) + Send + 'static,
+) -> Result<(), OrchError> {
+    let name = format!("sbx-{}", &plan.id[plan.id.len().saturating_sub(8)..]);
+    let handoff = Arc::new(parking_lot::Mutex::new(Some(plan)));
+    let theirs = handoff.clone();
+    let spawned = spawn(
+        name,
+        Box::new(move || {
+            if let Some(plan) = theirs.lock().take() {
+                body(plan);
+            }
+        }),
+    );
+    match spawned {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            if let Some(plan) = handoff.lock().take() {
+                log::warn!(
+                    "sandboxId={} op=launch error=\"cannot start supervisor thread: {e}\"",
+                    plan.id
+                );
+                debts.stop(plan.instance, StopReason::StartFailed);
+                debts.release(plan.slot);
+            }
+            Err(OrchError::Internal(format!(
+                "cannot start supervisor thread: {e}"
+            )))
+        }
+    }
+}
+
 /// Starts the supervisor thread and waits until the guest agent answers. Returns the
 /// channel to the supervisor and the agent client.
 pub(crate) fn start(
     shared: &Arc<Shared>,
     plan: StartPlan,
 ) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
-    let id = plan.id.clone();
     let (launch_tx, launch_rx) = crossbeam_channel::bounded(1);
     let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
     let thread_shared = shared.clone();
-    let spawned = std::thread::Builder::new()
-        .name(format!("sbx-{}", &id[id.len().saturating_sub(8)..]))
-        .spawn(move || supervise(thread_shared, plan, launch_tx, ops_rx));
-    if let Err(e) = spawned {
-        // The plan (slot, instance, dir) was moved into the closure and dropped with it:
-        // the slot is destroyed and the dir removed, but the stop is owed by hand.
-        return Err(OrchError::Internal(format!(
-            "cannot start supervisor thread: {e}"
-        )));
-    }
+    spawn_supervisor(plan, spawn_thread, &**shared, move |plan| {
+        supervise(thread_shared, plan, launch_tx, ops_rx)
+    })?;
     let wait = Duration::from_secs(shared.config.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;
     let agent = launch_rx.recv_timeout(wait).map_err(|_| {
         OrchError::Internal("sandbox supervisor did not report its launch".into())
@@ -258,6 +312,7 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
     let timeout = Duration::from_secs(shared.config.vm.ready_timeout_secs);
     let ready = AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout).and_then(
         |agent| {
+            agent.set_label(&id);
             // A restored guest's clock stopped while it was saved (issue: guest clock).
             if restored {
                 vm::sync_guest_clock(&agent)?;
@@ -433,5 +488,67 @@ fn snapshot(
         (_, Err(e)) => Err(PauseOutcome::Gone(OrchError::Internal(format!(
             "the VM could not run on after a capture: {e}"
         )))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::FakeHost;
+    use crate::net::SlotManager;
+    use parking_lot::Mutex;
+
+    #[derive(Default)]
+    struct RecordedDebts {
+        stops: Mutex<Vec<(Option<String>, StopReason)>>,
+        released: Mutex<Vec<u32>>,
+    }
+
+    impl StartDebts for RecordedDebts {
+        fn stop(&self, instance: Instance, reason: StopReason) {
+            self.stops.lock().push((instance.instance_id, reason));
+        }
+        fn release(&self, slot: Slot) {
+            self.released.lock().push(slot.index());
+        }
+    }
+
+    #[test]
+    fn a_supervisor_that_cannot_start_still_sends_the_stop_hook() {
+        let mut net = crate::config::Config::from_sources(None, &[])
+            .unwrap()
+            .network;
+        net.netns_dir = PathBuf::from("/run/test-netns");
+        let slots = SlotManager::start_with(Arc::new(FakeHost::default()), &net, &[]).unwrap();
+        let dir = std::env::temp_dir().join(format!("aenv-sup-{}", crate::util::new_id()));
+        let plan = StartPlan {
+            id: "sandbox-1".into(),
+            run_dir: RunDir::create(dir.clone()).unwrap(),
+            slot: slots.acquire().unwrap(),
+            instance: Instance {
+                sandbox_id: "sandbox-1".into(),
+                instance_id: Some("instance-1".into()),
+            },
+            launch: Launch::Cold {
+                kernel_args: vec![],
+                memory_file: None,
+            },
+            cpu_count: 1,
+            memory_mb: 128,
+        };
+        let debts = RecordedDebts::default();
+        let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));
+        let e = spawn_supervisor(plan, no_threads, &debts, |_| panic!("never runs")).unwrap_err();
+        assert!(
+            e.to_string().contains("cannot start supervisor thread"),
+            "{e}"
+        );
+        assert_eq!(
+            *debts.stops.lock(),
+            [(Some("instance-1".to_string()), StopReason::StartFailed)]
+        );
+        assert_eq!(debts.released.lock().len(), 1);
+        assert!(!dir.exists(), "the run dir is removed");
+        slots.shutdown();
     }
 }

@@ -504,7 +504,9 @@ impl Vm {
         let (console_out, console_in) =
             std::io::pipe().map_err(|e| VmError::io("cannot create the console pipe", e))?;
         let mut cmd = Command::new(&binary);
+        // An empty environment: the server's (API key, extension token) is not QEMU's.
         cmd.args(&argv)
+            .env_clear()
             .current_dir(&spec.run_dir)
             .stdin(Stdio::null())
             .stdout(log)
