@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Sets up a Debian 12 (bookworm) host for agentenv. Idempotent; run as root.
 #  1. apt packages: QEMU >= 10 from bookworm-backports (the source is added when missing),
-#     nftables, e2fsprogs, busybox-static, cpio, lz4
+#     nftables, e2fsprogs, busybox-static, bash-static, cpio, lz4
 #  2. the guest kernel from Debian's linux-image-cloud-amd64, unpacked into the assets dir
 #     (never installed as the host's kernel)
 #  3. the release server binary, and the static binaries (server for the bundle, in-guest
 #     agent), plus the unprivileged account QEMU runs as (agentenv-vm)
 #  4. the guest initramfs (agent as /init + virtio modules)
-#  5. the built-in base image (busybox) as an OCI layout
+#  5. the built-in base image (busybox + static bash) as an OCI layout
 # Assets go to $AENV_ASSETS_DIR (default /var/lib/agentenv/assets, the config default).
 set -euo pipefail
 
@@ -39,7 +39,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 need=()
-for pkg in nftables e2fsprogs busybox-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd; do
+for pkg in nftables e2fsprogs busybox-static bash-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 major=$(qemu_major || true)
@@ -83,7 +83,8 @@ rm -f "$ASSETS/initramfs.cpio"  # the uncompressed archive of earlier versions
 
 step "built-in base image"
 rm -rf "$ASSETS/base-image.tmp"
-"$ROOT/target/release/agentenv" build-base-image --out "$ASSETS/base-image.tmp" --busybox /bin/busybox
+"$ROOT/target/release/agentenv" build-base-image --out "$ASSETS/base-image.tmp" --busybox /bin/busybox \
+  --bash /bin/bash-static
 rm -rf "$ASSETS/base-image"
 mv "$ASSETS/base-image.tmp" "$ASSETS/base-image"
 

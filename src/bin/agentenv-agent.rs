@@ -4,18 +4,21 @@
 //! ```text
 //! agentenv-agent --stdio            serve on stdin/stdout until EOF
 //! agentenv-agent --listen <socket>  serve each unix-socket connection in turn
+//! agentenv-agent --envd <addr:port>  serve envd over HTTP (prints the bound address)
 //! ```
 
 use std::os::unix::net::UnixListener;
 use std::process::ExitCode;
 
 use agentenv::guest::boot;
+use agentenv::guest::envd::{self, users::Accounts, Envd};
 use agentenv::guest::reaper::Reaper;
 use agentenv::guest::{AgentServer, OnEof};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: agentenv-agent [--stdio | --listen <unix-socket-path>] (PID 1: no arguments)"
+        "usage: agentenv-agent [--stdio | --listen <unix-socket-path> | --envd <addr:port>] \
+         (PID 1: no arguments)"
     );
     ExitCode::from(2)
 }
@@ -65,6 +68,22 @@ fn main() -> ExitCode {
                 };
                 AgentServer::new(reaper.clone(), false, Box::new(writer)).serve(conn, OnEof::Stop);
             }
+            ExitCode::SUCCESS
+        }
+        ["--envd", addr] => {
+            let server = match tiny_http::Server::http(addr) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("agentenv-agent: cannot listen on {addr}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match server.server_addr().to_ip() {
+                Some(bound) => println!("envd listening on {bound}"),
+                None => println!("envd listening on {addr}"),
+            }
+            let envd = Envd::new(Reaper::own_children(), Accounts::default());
+            envd::serve(server, envd);
             ExitCode::SUCCESS
         }
         _ => usage(),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: agentenv serve [--config PATH]
-       agentenv build-base-image --out DIR [--busybox PATH]
+       agentenv build-base-image --out DIR [--busybox PATH] [--bash PATH]
        agentenv images [--config PATH]
        agentenv --version";
 
@@ -35,7 +35,8 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             };
             let busybox = flag("--busybox").unwrap_or_else(|| PathBuf::from("/bin/busybox"));
-            match agentenv::image::build_busybox_layout(&busybox, &out) {
+            let bash = flag("--bash");
+            match agentenv::image::build_busybox_layout(&busybox, bash.as_deref(), &out) {
                 Ok(()) => {
                     println!("built-in base image written to {}", out.display());
                     ExitCode::SUCCESS

@@ -1,5 +1,5 @@
 //! PID 1 duties: bring the VM up from the initramfs, switch to the root disk, configure
-//! the network, then serve the host over virtio-serial and HTTP.
+//! the network, then serve the host over virtio-serial and envd over HTTP.
 //!
 //! Every step prints one line to the console when it fails; steps the agent can live
 //! without are skipped, the rest power the VM off so the host sees it exit.
@@ -8,11 +8,14 @@ use std::fs::OpenOptions;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sys::guest as sys;
 use crate::sys::SysResult;
 
+use super::envd::users::Accounts;
+use super::envd::{serve, Envd};
 use super::reaper::Reaper;
 use super::{AgentServer, OnEof};
 
@@ -238,26 +241,15 @@ fn wait_for_port(name: &str) -> Option<PathBuf> {
     }
 }
 
-/// Serves `GET /health` on 0.0.0.0:`port` (proves host→guest routing through the slot).
-pub fn serve_health(port: u16) {
+/// Serves envd (and `GET /health`, which proves host→guest routing through the slot) on
+/// 0.0.0.0:`port`.
+pub fn serve_envd(port: u16, reaper: Arc<Reaper>) {
     let server = match tiny_http::Server::http(("0.0.0.0", port)) {
         Ok(s) => s,
         Err(e) => return say(&format!("HTTP server on port {port} failed: {e}")),
     };
-    for request in server.incoming_requests() {
-        let ok = request.method() == &tiny_http::Method::Get && request.url() == "/health";
-        let (status, body) = if ok {
-            (200, r#"{"status":"ok"}"#)
-        } else {
-            (404, r#"{"message":"not found"}"#)
-        };
-        let header = tiny_http::Header::from_bytes("Content-Type", "application/json");
-        let mut response = tiny_http::Response::from_string(body).with_status_code(status);
-        if let Ok(h) = header {
-            response = response.with_header(h);
-        }
-        let _ = request.respond(response);
-    }
+    let envd = Envd::new(reaper, Accounts::default());
+    serve(server, envd);
 }
 
 /// Everything PID 1 does. Never returns.
@@ -304,9 +296,10 @@ pub fn run_pid1() -> ! {
         Err(e) => fatal(&format!("starting the reaper thread: {e}")),
     };
     let http_port = cfg.http_port;
+    let envd_reaper = reaper.clone();
     if let Err(e) = std::thread::Builder::new()
-        .name("health".into())
-        .spawn(move || serve_health(http_port))
+        .name("envd".into())
+        .spawn(move || serve_envd(http_port, envd_reaper))
     {
         say(&format!("starting the HTTP thread failed: {e}"));
     }

@@ -60,7 +60,7 @@ fn is_executable_file(path: &Path) -> Option<bool> {
     Some(meta.permissions().mode() & 0o111 != 0)
 }
 
-enum Lookup {
+pub(crate) enum Lookup {
     Found(PathBuf),
     NotExecutable(PathBuf),
     NotFound,
@@ -68,7 +68,7 @@ enum Lookup {
 
 /// Finds `cmd` the way a shell does: a name with `/` is used as is (relative to `cwd`),
 /// otherwise the first executable regular file in `PATH` wins.
-fn lookup(cmd: &str, path_var: &str, cwd: &Path) -> Lookup {
+pub(crate) fn lookup(cmd: &str, path_var: &str, cwd: &Path) -> Lookup {
     if cmd.contains('/') {
         let p = cwd.join(cmd);
         return match is_executable_file(&p) {

@@ -1,10 +1,12 @@
-//! The in-guest agent: boots the VM as PID 1 ([`boot`]) and serves the host's calls over
-//! the virtio-serial port (protocol in [`crate::agent::protocol`]).
+//! The in-guest agent: boots the VM as PID 1 ([`boot`]), serves the host's calls over
+//! the virtio-serial port (protocol in [`crate::agent::protocol`]), and speaks E2B's envd
+//! protocol on its HTTP port ([`envd`]) for the E2B SDKs.
 //!
 //! The serving side is transport-agnostic: [`AgentServer::serve`] reads frames from any
 //! byte stream, so tests run it over a unix socket pair on the host.
 
 pub mod boot;
+pub mod envd;
 pub mod exec;
 pub mod files;
 pub mod reaper;

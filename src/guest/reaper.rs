@@ -7,6 +7,11 @@
 //!
 //! A command learns that its child ended through a pipe: the reaper drops the write end,
 //! so the read end polls as hung up next to the child's stdout and stderr.
+//!
+//! The PID 1 reaper first learns which child ended without reaping it (`WNOWAIT`), then
+//! takes the children lock, which [`Reaper::spawn`] holds across `Command::spawn`. So
+//! a child whose exec failed is reaped by std inside `spawn` (std waits for it) and never
+//! by the reaper, and a child that ends at once is registered before its status is taken.
 
 use std::collections::HashMap;
 use std::io::{PipeReader, PipeWriter};
@@ -16,7 +21,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::sys::guest::{wait_child, ExitStatus};
+use crate::sys::guest::{peek_ended_child, try_reap, wait_child, ExitStatus};
 
 struct Slot {
     status: Option<ExitStatus>,
@@ -57,8 +62,7 @@ impl Reaper {
     /// Spawns `cmd` and registers the child before any status for it can be delivered.
     /// The returned pipe becomes readable (hung up) once the child has ended.
     ///
-    /// `cmd` must name the program by path (contains `/`) and use no `pre_exec` hooks, so
-    /// std spawns it with `posix_spawn` and never waits for the child itself.
+    /// `cmd` may use `pre_exec` hooks, uid/gid changes and any spawn path of std.
     pub fn spawn(self: &Arc<Self>, cmd: &mut Command) -> std::io::Result<(Child, PipeReader)> {
         let (exit_r, exit_w) = std::io::pipe()?;
         let child = {
@@ -102,11 +106,21 @@ impl Reaper {
 
     fn reap_loop(&self) {
         loop {
-            match wait_child(-1) {
-                Ok((pid, status)) => self.deliver(pid, status),
+            match peek_ended_child() {
+                Ok(pid) => {
+                    let mut children = self.children.lock();
+                    // Nothing to take means std reaped it inside a failed spawn (under
+                    // this lock), or it has not ended after all.
+                    if let Ok(Some(status)) = try_reap(pid) {
+                        if let Some(slot) = children.get_mut(&pid) {
+                            slot.status = Some(status);
+                            slot.notify = None;
+                        }
+                    }
+                }
                 Err(e) if e.errno() == Some(libc::ECHILD) => {
                     let mut children = self.children.lock();
-                    // A child registered since waitpid said "none": reap it right away.
+                    // A child registered since waitid said "none": reap it right away.
                     if children.values().all(|s| s.status.is_some()) {
                         self.spawned.wait_for(&mut children, Duration::from_secs(1));
                     }

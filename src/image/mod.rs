@@ -974,11 +974,11 @@ mod tests {
         let t = TempDir::new("busybox");
         let layout_dir = t.path().join("base");
         let started = Instant::now();
-        build_busybox_layout(busybox, &layout_dir).unwrap();
+        build_busybox_layout(busybox, None, &layout_dir).unwrap();
         let layout_ms = started.elapsed().as_millis();
         // Reproducible: a rebuild gives the same manifest, so the disk cache stays valid.
         let index1 = fs::read(layout_dir.join("index.json")).unwrap();
-        build_busybox_layout(busybox, &layout_dir).unwrap();
+        build_busybox_layout(busybox, None, &layout_dir).unwrap();
         assert_eq!(fs::read(layout_dir.join("index.json")).unwrap(), index1);
 
         let store = ImageStore::new(t.path().join("cache"));

@@ -81,6 +81,14 @@ impl LayerBuilder {
         self.append(Self::header(tar::EntryType::Regular, mode), path, data)
     }
 
+    /// A directory with a chosen owner.
+    pub fn dir_owned(&mut self, path: &str, mode: u32, uid: u64, gid: u64) -> &mut Self {
+        let mut h = Self::header(tar::EntryType::Directory, mode);
+        h.set_uid(uid);
+        h.set_gid(gid);
+        self.append(h, path, &[])
+    }
+
     /// A regular file with a chosen owner.
     pub fn file_owned(
         &mut self,
@@ -373,8 +381,14 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 /// Writes the built-in base image to the OCI layout `out` (tag `latest`) from a static
 /// busybox binary: /bin/busybox with a symlink per applet, /etc/passwd and /etc/group,
-/// and the usual empty directories.
-pub fn build_busybox_layout(busybox: &Path, out: &Path) -> Result<(), ImageError> {
+/// and the usual empty directories. With `bash` (a static bash, Debian's `bash-static`)
+/// it is /bin/bash, which the E2B SDKs run every command with. The image has E2B's
+/// default account `user` (uid 1000, home /home/user) besides root.
+pub fn build_busybox_layout(
+    busybox: &Path,
+    bash: Option<&Path>,
+    out: &Path,
+) -> Result<(), ImageError> {
     let binary = fs::read(busybox).map_err(|e| {
         ImageError::NotFound(format!(
             "cannot read busybox at {}: {e}; install busybox-static",
@@ -431,16 +445,34 @@ pub fn build_busybox_layout(busybox: &Path, out: &Path) -> Result<(), ImageError
     layer.dir("root", 0o700);
     layer.dir("tmp", 0o1777);
     layer.dir("var/tmp", 0o1777);
+    layer.dir_owned("home/user", 0o755, 1000, 1000);
     layer.file("bin/busybox", 0o755, &binary);
-    for applet in &applets {
+    let shell = match bash {
+        Some(path) => {
+            let bash_binary = fs::read(path).map_err(|e| {
+                ImageError::NotFound(format!(
+                    "cannot read bash at {}: {e}; install bash-static",
+                    path.display()
+                ))
+            })?;
+            layer.file("bin/bash", 0o755, &bash_binary);
+            "/bin/bash"
+        }
+        None => "/bin/sh",
+    };
+    for applet in applets.iter().filter(|a| bash.is_none() || *a != "bash") {
         layer.symlink(&format!("bin/{applet}"), "busybox");
     }
-    layer.file(
-        "etc/passwd",
-        0o644,
-        b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+    let passwd = format!(
+        "root:x:0:0:root:/root:{shell}\nuser:x:1000:1000:user:/home/user:{shell}\n\
+         nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
     );
-    layer.file("etc/group", 0o644, b"root:x:0:\nnogroup:x:65534:\n");
+    layer.file("etc/passwd", 0o644, passwd.as_bytes());
+    layer.file(
+        "etc/group",
+        0o644,
+        b"root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n",
+    );
     layer.file("etc/hostname", 0o644, b"agentenv\n");
     layer.file(
         "etc/hosts",

@@ -6,7 +6,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Duration;
@@ -208,6 +208,204 @@ pub fn poll_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> SysRe
     Ok(pfds.iter().map(|p| p.revents != 0).collect())
 }
 
+/// Which child has ended, without reaping it (`waitid(P_ALL, WEXITED | WNOWAIT)`), so
+/// the caller can take a lock before the status is consumed. Retries on EINTR.
+pub fn peek_ended_child() -> SysResult<i32> {
+    loop {
+        // SAFETY: siginfo_t is plain old data; all-zero is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: info is a valid out-pointer for the duration of the call.
+        let ret = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        if ret < 0 {
+            let err = SysError::last("waitid P_ALL");
+            if err.errno() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(err);
+        }
+        // SAFETY: waitid with WEXITED filled in a SIGCHLD siginfo, whose si_pid is set.
+        return Ok(unsafe { info.si_pid() });
+    }
+}
+
+/// Non-blocking `waitpid(pid, WNOHANG)`: the status when `pid` has ended (and is now
+/// reaped), `None` while it runs.
+pub fn try_reap(pid: i32) -> SysResult<Option<ExitStatus>> {
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: status is a valid out-pointer for the duration of the call.
+        let ret = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if ret < 0 {
+            let err = SysError::last(format!("waitpid {pid}"));
+            if err.errno() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(err);
+        }
+        if ret == 0 {
+            return Ok(None);
+        }
+        return Ok(decode_status(status));
+    }
+}
+
+/// Sends `signal` to one process.
+pub fn signal_pid(pid: i32, signal: libc::c_int) -> SysResult<()> {
+    // SAFETY: kill takes no pointers.
+    let ret = unsafe { libc::kill(pid, signal) };
+    check(ret, || format!("kill -{signal} {pid}")).map(drop)
+}
+
+/// A new pseudo-terminal pair of the given size; both ends are close-on-exec and the
+/// slave is not made anyone's controlling terminal yet.
+pub fn open_pty(rows: u16, cols: u16) -> SysResult<(OwnedFd, OwnedFd)> {
+    // SAFETY: posix_openpt takes flags by value.
+    let fd = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+    let fd = check(fd, || "posix_openpt".to_string())?;
+    // SAFETY: fd was just returned by posix_openpt and is owned by nobody else.
+    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: master is an open pty master for both calls.
+    check(unsafe { libc::grantpt(master.as_raw_fd()) }, || {
+        "grantpt".to_string()
+    })?;
+    // SAFETY: as above.
+    check(unsafe { libc::unlockpt(master.as_raw_fd()) }, || {
+        "unlockpt".to_string()
+    })?;
+    let mut name = [0 as libc::c_char; 128];
+    // SAFETY: name is a writable buffer of the length passed.
+    let ret = unsafe { libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) };
+    if ret != 0 {
+        return Err(SysError::from_errno("ptsname_r", ret));
+    }
+    // SAFETY: ptsname_r wrote a NUL-terminated path into name.
+    let slave = unsafe {
+        libc::open(
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    let slave = check(slave, || "open pty slave".to_string())?;
+    // SAFETY: slave was just returned by open and is owned by nobody else.
+    let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+    set_window_size(master.as_fd(), rows, cols)?;
+    Ok((master, slave))
+}
+
+/// Sets a terminal's window size (`TIOCSWINSZ`); the foreground job gets SIGWINCH.
+pub fn set_window_size(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> SysResult<()> {
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: size is a valid winsize that the kernel only reads.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &size) };
+    check(ret, || "ioctl TIOCSWINSZ".to_string()).map(drop)
+}
+
+/// Makes the child of `cmd` a session leader whose controlling terminal is its stdin
+/// (the pty slave), as a login shell on a terminal expects.
+pub fn controlling_terminal_on_spawn(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let hook = || -> std::io::Result<()> {
+        // SAFETY: setsid takes no arguments and is async-signal-safe.
+        if unsafe { libc::setsid() } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: ioctl(TIOCSCTTY) on fd 0 takes an integer argument; async-signal-safe.
+        if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook runs in the forked child after std has set up stdio and calls only
+    // async-signal-safe functions (setsid, ioctl, errno reads).
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
+/// One inotify event: the watch it belongs to, its mask and the entry name (empty for
+/// events on the watched directory itself).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InotifyEvent {
+    pub wd: i32,
+    pub mask: u32,
+    pub name: String,
+}
+
+/// An inotify instance (non-blocking, close-on-exec); poll its fd for readability.
+pub struct Inotify {
+    fd: OwnedFd,
+}
+
+impl Inotify {
+    pub fn new() -> SysResult<Inotify> {
+        // SAFETY: inotify_init1 takes flags by value.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        let fd = check(fd, || "inotify_init1".to_string())?;
+        // SAFETY: fd was just returned by inotify_init1 and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Inotify { fd })
+    }
+
+    /// Watches `path` for `mask`; returns the watch descriptor.
+    pub fn add_watch(&self, path: &Path, mask: u32) -> SysResult<i32> {
+        let c_path = cstring("inotify_add_watch", path)?;
+        // SAFETY: the fd is open and c_path is a valid NUL-terminated string.
+        let ret = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), c_path.as_ptr(), mask) };
+        check(ret, || format!("inotify_add_watch {}", path.display()))
+    }
+
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Reads the events that are ready (none when nothing is pending).
+    pub fn read_events(&self) -> SysResult<Vec<InotifyEvent>> {
+        let mut buf = vec![0u8; 64 * 1024];
+        // SAFETY: buf is a writable buffer of the length passed.
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast::<libc::c_void>(),
+                buf.len(),
+            )
+        };
+        if n < 0 {
+            let err = SysError::last("read inotify");
+            return match err.errno() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(Vec::new()),
+                _ => Err(err),
+            };
+        }
+        Ok(parse_inotify(&buf[..n as usize]))
+    }
+}
+
+/// Decodes a buffer of `struct inotify_event` records.
+fn parse_inotify(mut buf: &[u8]) -> Vec<InotifyEvent> {
+    const HEADER: usize = 16; // wd, mask, cookie, len: four 32-bit fields
+    let mut events = Vec::new();
+    while buf.len() >= HEADER {
+        let field = |i: usize| u32::from_ne_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+        let (wd, mask, len) = (field(0) as i32, field(4), field(12) as usize);
+        let Some(name) = buf.get(HEADER..HEADER + len) else {
+            break;
+        };
+        let name = name.split(|&b| b == 0).next().unwrap_or_default();
+        events.push(InotifyEvent {
+            wd,
+            mask,
+            name: String::from_utf8_lossy(name).into_owned(),
+        });
+        buf = &buf[HEADER + len..];
+    }
+    events
+}
+
 fn inet_socket() -> SysResult<OwnedFd> {
     // SAFETY: socket takes no pointers.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
@@ -331,6 +529,60 @@ mod tests {
         kill_group(child.id() as i32, libc::SIGKILL).unwrap();
         let (_, status) = wait_child(child.id() as i32).unwrap();
         assert_eq!(status, ExitStatus::Signaled(libc::SIGKILL));
+    }
+
+    #[test]
+    fn inotify_records_decode_and_report_changes() {
+        let mut buf = Vec::new();
+        for (wd, mask, name) in [
+            (1i32, libc::IN_CREATE, &b"a.txt\0\0\0"[..]),
+            (2, libc::IN_DELETE_SELF, b""),
+        ] {
+            buf.extend_from_slice(&wd.to_ne_bytes());
+            buf.extend_from_slice(&mask.to_ne_bytes());
+            buf.extend_from_slice(&0u32.to_ne_bytes());
+            buf.extend_from_slice(&(name.len() as u32).to_ne_bytes());
+            buf.extend_from_slice(name);
+        }
+        let events = parse_inotify(&buf);
+        assert_eq!(events.len(), 2);
+        assert_eq!((events[0].wd, events[0].name.as_str()), (1, "a.txt"));
+        assert_eq!(
+            (events[1].mask, events[1].name.as_str()),
+            (libc::IN_DELETE_SELF, "")
+        );
+
+        let dir = std::env::temp_dir().join(format!("inotify-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ino = Inotify::new().unwrap();
+        let wd = ino.add_watch(&dir, libc::IN_CREATE).unwrap();
+        assert!(ino.read_events().unwrap().is_empty());
+        std::fs::write(dir.join("f"), "x").unwrap();
+        let ready = poll_readable(&[ino.as_fd()], Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(ready, vec![true]);
+        let events = ino.read_events().unwrap();
+        assert_eq!(
+            events[0],
+            InotifyEvent {
+                wd,
+                mask: libc::IN_CREATE,
+                name: "f".into()
+            }
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn pty_pairs_carry_bytes_and_sizes() {
+        use std::io::{Read, Write};
+        let (master, slave) = open_pty(30, 100).unwrap();
+        let mut m = File::from(master);
+        let mut s = File::from(slave);
+        s.write_all(b"hi").unwrap();
+        let mut buf = [0u8; 2];
+        m.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"hi");
+        set_window_size(m.as_fd(), 40, 120).unwrap();
     }
 
     #[test]
