@@ -65,6 +65,7 @@ fn sandboxes_end_to_end() {
         .unwrap()
         .to_string();
     host_reaches_guest(&a_ip);
+    envd_runs_bash_as_user(&a_ip);
     host_reaches_guest(&b_ip);
     guests_are_isolated(&server, &a_id, &a_ip, &b_ip);
     delete_leaves_nothing(&server, &a_id);
@@ -240,6 +241,46 @@ fn host_reaches_guest(ip: &str) {
         .call()
         .unwrap_or_else(|e| panic!("host cannot reach guest agent at {ip}: {e}"));
     assert_eq!(resp.status(), 200);
+}
+
+/// The guest's envd (what the E2B SDKs reach through the host proxy) runs a command the
+/// way `commands.run` does: /bin/bash from the base image, as E2B's `user`, in its home.
+fn envd_runs_bash_as_user(ip: &str) {
+    let msg = json!({
+        "process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo $BASH_VERSION; whoami; pwd"]},
+        "stdin": false,
+    })
+    .to_string();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    body.extend_from_slice(msg.as_bytes());
+    let resp = ureq::post(&format!("http://{ip}:49983/process.Process/Start"))
+        .set("Content-Type", "application/connect+json")
+        .timeout(Duration::from_secs(20))
+        .send_bytes(&body)
+        .unwrap_or_else(|e| panic!("envd Start on {ip}: {e}"));
+    let mut raw = Vec::new();
+    std::io::Read::read_to_end(&mut resp.into_reader(), &mut raw).unwrap();
+    let (mut stdout, mut rest, mut end) = (String::new(), &raw[..], Value::Null);
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
+        let v: Value = serde_json::from_slice(&rest[5..5 + len]).unwrap();
+        if let Some(out) = v["event"]["data"]["stdout"].as_str() {
+            use base64::Engine;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(out)
+                .unwrap();
+            stdout.push_str(&String::from_utf8_lossy(&bytes));
+        }
+        if v["event"].get("end").is_some() {
+            end = v["event"]["end"].clone();
+        }
+        rest = &rest[5 + len..];
+    }
+    assert_eq!(end["exitCode"], 0, "{}", String::from_utf8_lossy(&raw));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].starts_with("5.2"), "{stdout}");
+    assert_eq!(&lines[1..], ["user", "/home/user"], "{stdout}");
 }
 
 fn guests_are_isolated(s: &Server, from: &str, own_ip: &str, other_ip: &str) {

@@ -1,7 +1,9 @@
 //! The guest agent's envd surface, served by the real `agentenv-agent --envd` binary on
 //! loopback (no VM): every Connect RPC of `process.Process` and `filesystem.Filesystem`,
 //! `/files`, `/init` and `/health`, spoken as the E2B SDKs speak them (JSON codec,
-//! enveloped streams). Files live under cargo's per-target scratch dir.
+//! enveloped streams). Files live under cargo's per-target scratch dir. Shells run
+//! without login files (the SDK's `bash -l` would read the host's dotfiles); the VM test
+//! in e2e_sandbox runs the login shell of the base image.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -115,7 +117,7 @@ impl Envd {
     }
 
     fn bash(&self, script: &str) -> Value {
-        json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", script]}, "stdin": false})
+        json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}, "stdin": false})
     }
 }
 
@@ -224,7 +226,7 @@ fn start_streams_output_as_it_happens_and_reports_the_exit() {
     // The command waits for input that is only sent after its first line arrived, so the
     // test only passes if that line was streamed before the command ended.
     let (pid, mut s) = e.start_process(json!({
-        "process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo one; read x; echo \"got $x\" >&2; exit 3"]},
+        "process": {"cmd": "/bin/bash", "args": ["-c", "echo one; read x; echo \"got $x\" >&2; exit 3"]},
         "stdin": true,
     }));
     assert!(pid > 0);
@@ -254,7 +256,7 @@ fn environment_cwd_and_init_defaults_apply() {
     let (_, mut s) = e.start_process(json!({
         "process": {
             "cmd": "/bin/bash",
-            "args": ["-l", "-c", "echo $FROM_INIT $OVERRIDDEN $OWN $E2B_SANDBOX; pwd"],
+            "args": ["-c", "echo $FROM_INIT $OVERRIDDEN $OWN $E2B_SANDBOX; pwd"],
             "envs": {"OWN": "own", "OVERRIDDEN": "call"},
             "cwd": e.dir.to_string_lossy(),
         },
@@ -445,7 +447,7 @@ fn stdin_close_and_client_streamed_input() {
 fn pty_sessions_take_input_and_resize() {
     let e = Envd::start("pty");
     let (pid, mut s) = e.start_process(json!({
-        "process": {"cmd": "/bin/bash", "args": ["-i", "-l"], "envs": {"TERM": "xterm-256color"}},
+        "process": {"cmd": "/bin/bash", "args": ["--norc", "--noprofile", "-i"], "envs": {"TERM": "xterm-256color"}},
         "pty": {"size": {"cols": 80, "rows": 24}},
     }));
     e.ok(

@@ -109,6 +109,14 @@ fn ext_value(v: &str) -> Option<String> {
     )
 }
 
+/// Browsers, undici (the JS SDK) and httpx (the python SDK) write `"`, CR and LF in a
+/// filename as `%22`, `%0D` and `%0A` (the WHATWG form encoding): undo exactly that.
+fn unescape_whatwg(name: &str) -> String {
+    name.replace("%22", "\"")
+        .replace("%0D", "\r")
+        .replace("%0A", "\n")
+}
+
 fn parse_headers(block: &[u8]) -> PartInfo {
     let text = String::from_utf8_lossy(block);
     let mut info = PartInfo::default();
@@ -123,7 +131,7 @@ fn parse_headers(block: &[u8]) -> PartInfo {
         info.name = param(params, "name").unwrap_or_default();
         info.filename = param(params, "filename*")
             .and_then(|v| ext_value(&v))
-            .or_else(|| param(params, "filename"));
+            .or_else(|| param(params, "filename").map(|f| unescape_whatwg(&f)));
     }
     info
 }
@@ -302,7 +310,7 @@ mod tests {
 
     #[test]
     fn reads_files_with_paths_and_binary_bodies() {
-        let body = b"preamble\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/home/user/a \\\"q\\\".txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\ncontent-disposition: form-data; name=file; filename*=UTF-8''%2Ftmp%2Fb%20c\r\n\r\n\r\n--Xy\x00\xff\r\n--XyZ--\r\nepilogue";
+        let body = b"preamble\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/home/user/a \\\"q%22.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ\r\ncontent-disposition: form-data; name=file; filename*=UTF-8''%2Ftmp%2Fb%20c\r\n\r\n\r\n--Xy\x00\xff\r\n--XyZ--\r\nepilogue";
         let got = parts(body, "XyZ").unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].0.name, "file");

@@ -679,6 +679,10 @@ fn stream_events(
             Ok(Event::Data(kind, bytes)) => {
                 json!({"event": {"data": {kind.field(): connect::encode_bytes(&bytes)}}})
             }
+            // The output thread kills a process at its deadline: that end is the timeout.
+            Ok(Event::End(_)) if deadline.is_some_and(|d| Instant::now() >= d) => {
+                return Err(timed_out(proc, call))
+            }
             Ok(Event::End(end)) => {
                 let _ = sink.send(&end.event());
                 return Ok(());
@@ -688,14 +692,7 @@ fn stream_events(
                     if kill_at_deadline {
                         let _ = proc.signal(libc::SIGKILL);
                     }
-                    let ms = call.timeout.unwrap_or_default().as_millis();
-                    return Err(RpcError::new(
-                        Code::DeadlineExceeded,
-                        format!(
-                            "the call's timeout of {ms} ms was reached (process {})",
-                            proc.pid
-                        ),
-                    ));
+                    return Err(timed_out(proc, call));
                 }
                 json!({"event": {"keepalive": {}}})
             }
@@ -711,6 +708,17 @@ fn stream_events(
         }
         next_ping = Instant::now() + call.keepalive;
     }
+}
+
+fn timed_out(proc: &Proc, call: &Call) -> RpcError {
+    let ms = call.timeout.unwrap_or_default().as_millis();
+    RpcError::new(
+        Code::DeadlineExceeded,
+        format!(
+            "the call's timeout of {ms} ms was reached (process {})",
+            proc.pid
+        ),
+    )
 }
 
 /// `Start` (server stream): start event with the pid, output, end event.
