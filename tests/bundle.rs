@@ -175,6 +175,13 @@ fn bundle_installs_runs_and_uninstalls_in_a_root() {
         );
         let (status, body) = server.call("GET", "/sandboxes", None);
         assert_eq!(status, 200, "{body}");
+        // The static binary as a client: it resolves a host name (glibc's built-in files
+        // source, docs/operations.md §3.3) and talks to the server.
+        let url = server.base.replace("127.0.0.1", "localhost");
+        let listed = run(Command::new(&bin)
+            .args(["--json", "--url", &url, "--api-key", common::API_KEY])
+            .args(["sandbox", "ls"]));
+        assert_eq!(listed.trim(), "[]");
         server.stop();
     }
 

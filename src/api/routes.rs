@@ -71,6 +71,7 @@ fn sandbox_route(
             | ["snapshots"]
             | ["fork"]
             | ["commands"]
+            | ["logs"]
             | ["files"]
             | ["custom-extension-params"]
     );
@@ -89,6 +90,8 @@ fn sandbox_route(
         (["snapshots"], Method::Post) => snapshot(ctx, req, id),
         (["fork"], Method::Post) => fork(ctx, req, id),
         (["commands"], Method::Post) => run_command(ctx, req, id),
+        (["logs"], Method::Get) => console_log(ctx, id, query),
+        (["logs"], _) => allow(&["GET"]),
         (["files"], Method::Get) => download(ctx, id, query),
         (["files"], Method::Put) => upload(ctx, req, id, query),
         (["files"], _) => allow(&["GET", "PUT"]),
@@ -641,6 +644,27 @@ fn run_command(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiE
     )?;
     let body = serde_json::to_value(result).map_err(|e| ApiError::new(500, e.to_string()))?;
     Ok(Reply::json(200, body))
+}
+
+/// `GET /sandboxes/{id}/logs?lines=N`: the end of the guest console (api.md §4.20).
+fn console_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let lines = match query::get(&pairs, "lines") {
+        None => 200,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=10_000).contains(n))
+            .ok_or_else(|| ApiError::bad_request("lines must be an integer in 1..=10000"))?,
+    };
+    let mut text = ctx.orchestrator.console_tail(checked_id(id)?, lines)?;
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    Ok(Reply::Text {
+        content_type: "text/plain; charset=utf-8",
+        body: text,
+    })
 }
 
 /// The `path` query parameter of the files endpoints.

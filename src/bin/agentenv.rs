@@ -1,4 +1,5 @@
-//! The agentenv server binary.
+//! The agentenv binary: the server (`serve`), its maintenance commands, and the
+//! command-line client (`sandbox`, `template`, `snapshot`: src/cli).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,7 +7,9 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: agentenv serve [--config PATH]
        agentenv build-base-image --out DIR [--busybox PATH] [--bash PATH]
        agentenv images [--config PATH]
-       agentenv --version";
+       agentenv --version
+       agentenv [--url URL] [--api-key KEY] [--json] sandbox|template|snapshot ...
+                (agentenv --help: the client's commands)";
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
@@ -17,6 +20,12 @@ fn main() -> ExitCode {
             .and_then(|i| args.get(i + 1))
             .map(PathBuf::from)
     };
+    // The client's commands may start with its global options (`--url X sandbox ls`).
+    let client_command =
+        first_command(&args).is_some_and(|a| matches!(a, "sandbox" | "template" | "snapshot"));
+    if client_command || matches!(args.first().map(String::as_str), Some("--help" | "-h")) {
+        return ExitCode::from(agentenv::cli::run(args));
+    }
     match args.first().map(String::as_str) {
         Some("--version") | Some("-V") => {
             println!("agentenv {}", env!("CARGO_PKG_VERSION"));
@@ -59,6 +68,21 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// The first word that is neither an option nor the value of one.
+fn first_command(args: &[String]) -> Option<&str> {
+    let mut words = args.iter().map(String::as_str);
+    while let Some(w) = words.next() {
+        match w {
+            "--url" | "--api-key" | "--config" => {
+                words.next();
+            }
+            w if w.starts_with('-') => {}
+            w => return Some(w),
+        }
+    }
+    None
 }
 
 /// Prints the image cache (pulled blobs and built base disks), most recently used first.

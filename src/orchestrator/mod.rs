@@ -228,6 +228,14 @@ impl Orchestrator {
         Ok(info)
     }
 
+    /// The last `lines` lines of a visible sandbox's guest console (api.md §4.20); empty
+    /// when the guest has written nothing yet.
+    pub fn console_tail(&self, id: &str, lines: usize) -> Result<String, OrchError> {
+        self.entry(id)?;
+        let path = self.shared.sandboxes_dir().join(id).join("console.log");
+        Ok(crate::vm::tail_lines(&path, lines))
+    }
+
     /// Every visible sandbox.
     pub fn list(&self) -> Vec<SandboxInfo> {
         let entries: Vec<_> = self.shared.sandboxes.read().values().cloned().collect();

@@ -1,0 +1,271 @@
+//! The command-line client (`agentenv sandbox|template|snapshot …`) against a real server:
+//! every subcommand, tables and `--json`, exit codes. Two cold boots (one sandbox, one
+//! template build); everything else restores. One test, because one server owns the host.
+
+mod common;
+
+use common::{base_image, Server, API_KEY};
+use serde_json::Value;
+use std::process::{Command, Output};
+
+struct Cli<'a> {
+    server: &'a Server,
+}
+
+impl Cli<'_> {
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_agentenv"));
+        // A host name, not an address: the client resolves it.
+        let url = self.server.base.replace("127.0.0.1", "localhost");
+        cmd.args(args)
+            .env("AENV_URL", url)
+            .env("AENV_API_KEY", API_KEY)
+            .env_remove("AENV_CONFIG_PATH");
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().unwrap()
+    }
+
+    /// Runs and asserts exit 0; returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "agentenv {args:?} exited {:?}\nstdout: {}\nstderr: {}\nserver log:\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            self.server.log()
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let text = self.ok(&all);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?}: {e}: {text}"))
+    }
+
+    fn code(&self, args: &[&str]) -> i32 {
+        self.run(args).status.code().unwrap()
+    }
+}
+
+#[test]
+fn cli_drives_every_subcommand_against_a_real_server() {
+    let server = Server::start("");
+    let cli = Cli { server: &server };
+    let image = base_image();
+
+    // Create (cold boot 1): the plain output is the id alone, for $(...).
+    let id = cli
+        .ok(&[
+            "sandbox",
+            "create",
+            "--image",
+            &image,
+            "--timeout",
+            "600",
+            "--metadata",
+            "who=cli",
+        ])
+        .trim()
+        .to_string();
+    assert_eq!(id.len(), 36, "not a sandbox id: {id:?}");
+
+    let table = cli.ok(&["sandbox", "ls"]);
+    let header = table.lines().next().unwrap();
+    assert!(
+        header.starts_with("ID") && header.contains("STATE"),
+        "{table}"
+    );
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .expect("sandbox in ls");
+    assert!(row.contains("running"), "{row}");
+    let listed = cli.json(&["sandbox", "ls", "--metadata", "who=cli"]);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert_eq!(listed[0]["sandboxID"], id.as_str());
+    let none = cli.json(&["sandbox", "ls", "--metadata", "who=nobody"]);
+    assert_eq!(none, Value::Array(vec![]));
+    let info = cli.json(&["sandbox", "info", &id]);
+    assert_eq!(info["state"], "running");
+    assert!(cli.ok(&["sandbox", "info", &id]).contains("memoryMB"));
+
+    // exec: output to the right streams, and the command's exit code.
+    let out = cli.run(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--env",
+        "WHO=cli",
+        "--",
+        "sh",
+        "-c",
+        "echo out $WHO; echo err >&2; exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "out cli\n");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
+    assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 0);
+
+    // cp both ways, binary-safe.
+    let dir = std::env::temp_dir().join(format!("aenv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    std::fs::write(dir.join("up.bin"), &payload).unwrap();
+    let remote = format!("{id}:/root/sub dir/up.bin");
+    cli.ok(&[
+        "sandbox",
+        "cp",
+        dir.join("up.bin").to_str().unwrap(),
+        &remote,
+    ]);
+    cli.ok(&["sandbox", "cp", &remote, dir.to_str().unwrap()]);
+    assert_eq!(std::fs::read(dir.join("up.bin")).unwrap(), payload);
+    let size = cli.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "wc",
+        "-c",
+        "/root/sub dir/up.bin",
+    ]);
+    assert!(size.starts_with("200000"), "{size}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // logs: the guest console (the agent's boot lines, and what the guest writes to it).
+    cli.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "echo cli-console-mark > /dev/console",
+    ]);
+    let logs = cli.ok(&["sandbox", "logs", &id, "--lines", "5000"]);
+    assert!(logs.contains("agentenv-agent"), "console:\n{logs}");
+    assert!(logs.contains("cli-console-mark"), "console:\n{logs}");
+    assert!(
+        cli.ok(&["sandbox", "logs", &id, "--lines", "3"])
+            .lines()
+            .count()
+            <= 3
+    );
+
+    // snapshot, then pause / resume, then a sandbox from the snapshot.
+    let snap = cli
+        .ok(&["snapshot", "create", &id, "--name", "cli-snap"])
+        .trim()
+        .to_string();
+    let snaps = cli.ok(&["snapshot", "ls", "--sandbox", &id]);
+    assert!(
+        snaps
+            .lines()
+            .any(|l| l.starts_with(&snap) && l.contains("cli-snap")),
+        "{snaps}"
+    );
+    assert_eq!(
+        cli.json(&["snapshot", "info", "cli-snap"])["snapshotID"],
+        snap.as_str()
+    );
+    cli.ok(&["sandbox", "pause", &id]);
+    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "paused");
+    // A paused sandbox runs no commands: 409 → exit 5.
+    assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 5);
+    cli.ok(&["sandbox", "resume", &id, "--timeout", "600"]);
+    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "running");
+    let child = cli
+        .ok(&["sandbox", "create", "--template", "cli-snap"])
+        .trim()
+        .to_string();
+    let seen = cli.ok(&[
+        "sandbox",
+        "exec",
+        &child,
+        "--",
+        "wc",
+        "-c",
+        "/root/sub dir/up.bin",
+    ]);
+    assert!(seen.starts_with("200000"), "{seen}");
+
+    // template build (cold boot 2): plain progress lines off a terminal, then ready.
+    let out = cli.run(&[
+        "template",
+        "build",
+        "cli-tpl",
+        "--image",
+        &image,
+        "--start-cmd",
+        "echo built > /etc/cli-mark",
+    ]);
+    let progress = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "build failed: {progress}\n{}",
+        server.log()
+    );
+    assert!(progress.contains("ready"), "{progress}");
+    let templates = cli.ok(&["template", "ls"]);
+    let row = templates
+        .lines()
+        .find(|l| l.starts_with("cli-tpl"))
+        .expect("template in ls");
+    assert!(row.contains("ready"), "{row}");
+    let from_tpl = cli
+        .ok(&["sandbox", "create", "--template", "cli-tpl"])
+        .trim()
+        .to_string();
+    assert_eq!(
+        cli.ok(&["sandbox", "exec", &from_tpl, "--", "cat", "/etc/cli-mark"]),
+        "built\n"
+    );
+    // A build that cannot succeed: refused (7) or ended in error (8), never 0.
+    let out = cli.run(&[
+        "template",
+        "build",
+        "cli-bad",
+        "--image",
+        "oci:/nonexistent/layout",
+    ]);
+    assert!(matches!(out.status.code(), Some(7) | Some(8)), "{out:?}");
+
+    // Errors say what failed.
+    let unknown = "0190d5a0-0000-7000-8000-000000000000";
+    assert_eq!(cli.code(&["sandbox", "info", unknown]), 4);
+    assert_eq!(
+        cli.command(&["sandbox", "ls"])
+            .env("AENV_API_KEY", "wrong-key-0123456789-0123456789-x")
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(6)
+    );
+    assert_eq!(
+        cli.command(&["sandbox", "ls"])
+            .env("AENV_URL", "http://127.0.0.1:1")
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(3)
+    );
+    assert_eq!(cli.code(&["sandbox", "frobnicate"]), 2);
+    assert_eq!(cli.code(&["sandbox", "ls", "--bogus", "x"]), 2);
+
+    // rm, several at once; snapshots and templates by name.
+    cli.ok(&["sandbox", "rm", &id, &child, &from_tpl]);
+    assert_eq!(cli.json(&["sandbox", "ls"]), Value::Array(vec![]));
+    cli.ok(&["snapshot", "rm", "cli-snap"]);
+    cli.ok(&["template", "rm", "cli-tpl", "cli-bad"]);
+    assert_eq!(cli.json(&["template", "ls"]), Value::Array(vec![]));
+    assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
+}
