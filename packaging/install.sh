@@ -154,7 +154,9 @@ uninstall_all() {
   fi
   rm -f "$ETC/config.toml.default"
   if [ "$PURGE" = 1 ]; then
-    rm -rf "$ETC" "$STATE"
+    rm -rf "$ETC"
+    # The state dir may be a mount point of its own: then its content goes, the dir stays.
+    rm -rf "$STATE" 2>/dev/null || [ -z "$(ls -A "$STATE")" ] || die "cannot remove $STATE"
     if [ "$SYSTEM" = 1 ] && getent passwd "$VM_USER" >/dev/null; then
       userdel "$VM_USER" || true
     fi
