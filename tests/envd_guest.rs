@@ -402,8 +402,13 @@ fn stdin_close_and_client_streamed_input() {
     let (pid, mut s) = e.start_process(json!({"process": {"cmd": "/bin/cat"}, "stdin": true}));
     e.ok("/process.Process/SendInput", stdin(pid, "abc"));
     assert_eq!(next_data(&mut s).1, b"abc");
+    // More than a pipe holds: the write waits for cat to read, while the output flows.
+    let big = "x".repeat(1 << 20);
+    e.ok("/process.Process/SendInput", stdin(pid, &big));
     e.ok("/process.Process/CloseStdin", json!({"process": sel(pid)}));
-    assert_eq!(s.collect().end.unwrap()["exitCode"], 0);
+    let c = s.collect();
+    assert_eq!(c.stdout.len(), 1 << 20);
+    assert_eq!(c.end.unwrap()["exitCode"], 0);
 
     let (pid, mut s) = e.start_process(json!({"process": {"cmd": "/bin/cat"}, "stdin": true}));
     let mut body = envelope(0, &json!({"start": {"process": sel(pid)}}));

@@ -181,6 +181,36 @@ pub fn wait_child(pid: i32) -> SysResult<(i32, ExitStatus)> {
     }
 }
 
+/// Sets `O_NONBLOCK` on an open file description.
+pub fn set_nonblocking(fd: BorrowedFd<'_>) -> SysResult<()> {
+    // SAFETY: fcntl(F_GETFL) takes no pointer; the fd is open for the call.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    let flags = check(flags, || "fcntl F_GETFL".to_string())?;
+    // SAFETY: fcntl(F_SETFL) takes the flags by value; the fd is open for the call.
+    let ret = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    check(ret, || "fcntl F_SETFL O_NONBLOCK".to_string()).map(drop)
+}
+
+/// Waits up to `timeout` until a write to `fd` will not block; false on timeout.
+pub fn poll_writable(fd: BorrowedFd<'_>, timeout: Duration) -> SysResult<bool> {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    let timeout_ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: pfd is one valid pollfd.
+    let ret = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    if ret < 0 {
+        let err = SysError::last("poll");
+        if err.errno() == Some(libc::EINTR) {
+            return Ok(false);
+        }
+        return Err(err);
+    }
+    Ok(pfd.revents != 0)
+}
+
 /// Polls `fds` for readability (or hang-up) for at most `timeout` (`None` blocks).
 /// Returns one flag per fd: true when a read will not block.
 pub fn poll_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> SysResult<Vec<bool>> {

@@ -29,6 +29,8 @@ pub const FLAG_COMPRESSED: u8 = 0x01;
 pub const FLAG_END_STREAM: u8 = 0x02;
 /// Largest request message accepted (unary body or one envelope).
 pub const MAX_MESSAGE: usize = 8 << 20;
+/// Longest call timeout honoured (longer ones are cut to this).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(366 * 24 * 3600);
 /// Keepalive interval when the client sends no `Keepalive-Ping-Interval` (envd's default).
 pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
 
@@ -265,7 +267,7 @@ pub fn timeout_header(value: Option<&str>) -> Result<Option<Duration>, RpcError>
         None | Some("") => Ok(None),
         Some(v) => match v.parse::<u64>() {
             Ok(0) => Ok(None),
-            Ok(ms) => Ok(Some(Duration::from_millis(ms))),
+            Ok(ms) => Ok(Some(Duration::from_millis(ms).min(MAX_TIMEOUT))),
             Err(_) => Err(RpcError::invalid(format!("bad Connect-Timeout-Ms {v:?}"))),
         },
     }
@@ -338,6 +340,10 @@ mod tests {
             Some(Duration::from_millis(1500))
         );
         assert_eq!(timeout_header(None).unwrap(), None);
+        assert_eq!(
+            timeout_header(Some("18446744073709551615")).unwrap(),
+            Some(MAX_TIMEOUT)
+        );
         assert!(timeout_header(Some("x")).is_err());
         assert_eq!(keepalive_header(Some("50")), Duration::from_secs(50));
         assert_eq!(keepalive_header(Some("0")), DEFAULT_KEEPALIVE);

@@ -43,6 +43,8 @@ const MAX_RETAINED: usize = 256;
 const FOLLOWER_QUEUE: usize = 64;
 /// A follower whose queue stays full this long is dropped.
 pub const FOLLOWER_STALL: Duration = Duration::from_secs(10);
+/// How long an input write waits for the process to read.
+const INPUT_STALL: Duration = Duration::from_secs(30);
 /// Largest output chunk (envd: 32 KiB for pipes).
 const CHUNK: usize = 32 * 1024;
 /// After the process exits, output still arriving is forwarded this long at most (a
@@ -352,10 +354,10 @@ impl Proc {
                         "error writing to stdin: stdin not enabled or closed",
                     ));
                 };
-                pipe.write_all(&data)
+                write_bounded(pipe, &data)
             }
             (None, Some(data)) => match &self.pty {
-                Some(master) => (&*master).write_all(&data),
+                Some(master) => write_bounded(master, &data),
                 None => {
                     return Err(RpcError::internal(
                         "error writing to tty: the process has no PTY; send input as stdin",
@@ -368,6 +370,36 @@ impl Proc {
             RpcError::internal(format!("error writing input of process {}: {e}", self.pid))
         })
     }
+}
+
+/// Writes all of `data` to a non-blocking pipe or PTY, waiting at most [`INPUT_STALL`]
+/// for the process to make room, so a process that never reads its input cannot hold
+/// the request thread forever.
+fn write_bounded(file: &File, data: &[u8]) -> std::io::Result<()> {
+    let mut rest = data;
+    let deadline = Instant::now() + INPUT_STALL;
+    while !rest.is_empty() {
+        match (&*file).write(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let writable = sys::poll_writable(file.as_fd(), left).map_err(|e| e.source)?;
+                if left.is_zero() || !writable {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the process has not read its input for {} s",
+                            INPUT_STALL.as_secs()
+                        ),
+                    ));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Running processes, and ended ones kept for a while.
@@ -547,11 +579,17 @@ fn spawn(
             ),
         ],
     };
+    let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+    for f in stdin.iter().chain(pty.iter()) {
+        if let Err(e) = sys::set_nonblocking(f.as_fd()) {
+            log::warn!("envd process pid={pid}: input stays blocking: {e}");
+        }
+    }
     let proc = Arc::new(Proc {
         pid,
         config,
         tag: req.tag,
-        stdin: Mutex::new(child.stdin.take().map(|s| File::from(OwnedFd::from(s)))),
+        stdin: Mutex::new(stdin),
         pty,
         followers: Mutex::new(Followers::default()),
     });
@@ -634,7 +672,12 @@ fn pump(
             match f.read(&mut buf) {
                 Ok(0) => *file = None,
                 Ok(n) => proc.broadcast(Event::Data(*kind, Arc::new(buf[..n].to_vec()))),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // The PTY description is non-blocking (for input): nothing after all.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                    ) => {}
                 // EIO: the last holder of the PTY slave closed it.
                 Err(_) => *file = None,
             }
