@@ -213,6 +213,15 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_body_bytes: u64,
     pub http_threads: usize,
+    pub quick_threads: usize,
+    pub io_threads: usize,
+    pub max_inflight_per_sandbox: usize,
+    pub max_connections: usize,
+    pub max_header_bytes: usize,
+    pub idle_timeout_secs: u64,
+    pub header_timeout_secs: u64,
+    pub body_timeout_secs: u64,
+    pub write_timeout_secs: u64,
     pub shutdown_timeout_secs: u64,
 }
 
@@ -455,8 +464,28 @@ impl Config {
                 return invalid("server.api_key", m);
             }
         }
-        if self.server.http_threads == 0 {
-            return invalid("server.http_threads", "must be at least 1".into());
+        let s = &self.server;
+        let at_least_one = [
+            ("server.http_threads", s.http_threads as u64),
+            ("server.quick_threads", s.quick_threads as u64),
+            ("server.io_threads", s.io_threads as u64),
+            (
+                "server.max_inflight_per_sandbox",
+                s.max_inflight_per_sandbox as u64,
+            ),
+            ("server.max_connections", s.max_connections as u64),
+            ("server.idle_timeout_secs", s.idle_timeout_secs),
+            ("server.header_timeout_secs", s.header_timeout_secs),
+            ("server.body_timeout_secs", s.body_timeout_secs),
+            ("server.write_timeout_secs", s.write_timeout_secs),
+        ];
+        for (key, value) in at_least_one {
+            if value == 0 {
+                return invalid(key, "must be at least 1".into());
+            }
+        }
+        if s.max_header_bytes < 1024 {
+            return invalid("server.max_header_bytes", "must be at least 1024".into());
         }
         if let Err(m) = check_state_dir(&self.server.state_dir) {
             return invalid("server.state_dir", m);

@@ -82,16 +82,15 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     hooks.recover();
     reclaim_after_recovery(hooks.clone(), slots.clone(), kept);
     kill_leftover_vms(&config.server.state_dir);
-    let listen = config.server.listen.clone();
+    let server_config = config.server.clone();
     let shutdown_timeout = config.server.shutdown_timeout_secs;
-    let threads = config.server.http_threads;
     let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
     let api = ApiServer::start(
-        &listen,
-        threads,
+        &server_config,
         Context {
             orchestrator: orchestrator.clone(),
             api_key,
+            test_faults: std::env::var("AENV_TEST_FAULTS").is_ok_and(|v| v == "1"),
         },
     )
     .map_err(StartupError)?;

@@ -105,6 +105,11 @@ impl EnvdProxy {
         }
     }
 
+    /// Whether `request` is for a sandbox's envd (headers only; nothing is looked up).
+    pub fn wants(&self, request: &Request) -> bool {
+        destination(request, self.agent_port).is_some()
+    }
+
     /// Takes `request` when it is for a sandbox's envd and answers it (on a stream thread
     /// once it is allowed through); gives any other request back to the API.
     pub fn divert(self: &Arc<Self>, request: Request) -> Option<Request> {

@@ -1,5 +1,11 @@
 //! The REST API: HTTP only. Routing, authentication, JSON bodies and the mapping of
-//! orchestrator errors to statuses. A bounded pool of worker threads serves `tiny_http`.
+//! orchestrator errors to statuses.
+//!
+//! Threads: `tiny_http` reads each connection on its own thread (bounded by
+//! `server.max_connections`, with header/body/idle timeouts) and queues complete request
+//! heads. One dispatcher thread takes them, authenticates, classifies them into a [`Lane`]
+//! and hands them to that lane's bounded pool without ever blocking; refusals (401, 429,
+//! 503) are answered by a few rejecter threads. A handler that panics answers 500.
 
 mod body;
 mod envd_proxy;
@@ -10,11 +16,17 @@ mod routes;
 
 pub use error::ApiError;
 
+use crate::config::ServerConfig;
 use crate::orchestrator::Orchestrator;
 use crate::util::constant_time_eq;
+use crossbeam_channel::{Sender, TrySendError};
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::io::Read;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 use tiny_http::{Header, Request, Response, StatusCode};
 
 /// What a handler answers.
@@ -49,18 +61,133 @@ impl Reply {
 pub struct Context {
     pub orchestrator: Arc<Orchestrator>,
     pub api_key: String,
+    /// Test-only faults (`AENV_TEST_FAULTS=1`, docs/configuration.md): a request with
+    /// `X-Aenv-Test-Fault: panic` makes its handler panic. Off in production.
+    pub test_faults: bool,
 }
 
-/// The running HTTP server and its worker threads.
+/// The lanes requests are served on (docs/architecture.md, "API lanes"): each has its
+/// own bounded pool, so a lane full of slow work never delays another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Health, metrics, the OpenAPI document, reads of records: never wait on a VM.
+    Quick,
+    /// Lifecycle operations: creates, deletes, pause, resume, snapshots, templates.
+    Control,
+    /// Guest I/O that may take minutes (commands, files); limited per sandbox.
+    Io,
+    /// Requests for a sandbox's envd: the envd proxy forwards each on a stream thread of
+    /// its own (bounded there), after a quick-lane worker handed it over.
+    Stream,
+}
+
+/// Which lane serves an API request, from its method and path (no body is read).
+/// Requests for envd are recognised before this ([`envd_proxy::EnvdProxy::wants`]).
+pub fn lane_of(request: &Request) -> Lane {
+    let path = request.url().split('?').next().unwrap_or("");
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let method = request.method();
+    match (segments.as_slice(), method) {
+        (["sandboxes", _, "commands"], _) | (["sandboxes", _, "files"], _) => Lane::Io,
+        (_, tiny_http::Method::Get | tiny_http::Method::Head) => Lane::Quick,
+        _ => Lane::Control,
+    }
+}
+
+/// The sandbox a request of [`Lane::Io`] works on.
+fn io_sandbox(request: &Request) -> Option<String> {
+    let path = request.url().split('?').next().unwrap_or("");
+    let mut segments = path.trim_start_matches('/').split('/');
+    match (segments.next(), segments.next()) {
+        (Some("sandboxes"), Some(id)) => Some(id.to_string()),
+        _ => None,
+    }
+}
+
+/// Sizes of the lanes and per-sandbox limits (`[server]` keys).
+#[derive(Debug, Clone)]
+pub struct LaneSizes {
+    pub quick_threads: usize,
+    pub control_threads: usize,
+    pub io_threads: usize,
+    pub max_inflight_per_sandbox: usize,
+}
+
+/// A request with what the dispatcher reserved for it.
+struct Job {
+    request: Request,
+    _permit: Option<InflightPermit>,
+}
+
+/// One request of a sandbox in flight on the I/O lane; released on drop.
+struct InflightPermit {
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+    sandbox: String,
+}
+
+impl InflightPermit {
+    fn acquire(
+        counts: &Arc<Mutex<HashMap<String, usize>>>,
+        sandbox: String,
+        max: usize,
+    ) -> Option<InflightPermit> {
+        let mut map = counts.lock();
+        let n = map.entry(sandbox.clone()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(InflightPermit {
+            counts: counts.clone(),
+            sandbox,
+        })
+    }
+}
+
+impl Drop for InflightPermit {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock();
+        if let Some(n) = map.get_mut(&self.sandbox) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.sandbox);
+            }
+        }
+    }
+}
+
+/// The running HTTP server: the dispatcher, one pool per lane and the rejecters.
 pub struct ApiServer {
     server: Arc<tiny_http::Server>,
-    workers: Vec<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
+/// Threads that answer requests refused before a lane (401, 429, 503).
+const REJECT_THREADS: usize = 4;
+
 impl ApiServer {
-    /// Binds `listen` and starts `threads` workers.
-    pub fn start(listen: &str, threads: usize, ctx: Context) -> Result<ApiServer, String> {
-        let server = tiny_http::Server::http(listen)
+    /// Binds `[server] listen` and starts the dispatcher, the lanes and the rejecters.
+    pub fn start(cfg: &ServerConfig, ctx: Context) -> Result<ApiServer, String> {
+        let listen = &cfg.listen;
+        let secs = |s: u64| Some(Duration::from_secs(s));
+        let limits = tiny_http::Limits {
+            max_connections: cfg.max_connections,
+            max_header_bytes: cfg.max_header_bytes,
+            idle_timeout: secs(cfg.idle_timeout_secs),
+            header_timeout: secs(cfg.header_timeout_secs),
+            body_timeout: secs(cfg.body_timeout_secs),
+            write_timeout: secs(cfg.write_timeout_secs),
+            // JSON bodies are read by the connection's own thread before dispatch, so a
+            // client that stalls mid-body never holds a worker.
+            buffer_body_up_to: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
+            ..tiny_http::Limits::default()
+        };
+        let config = tiny_http::ServerConfig {
+            addr: tiny_http::ConfigListenAddr::from_socket_addrs(listen.as_str())
+                .map_err(|e| format!("cannot resolve {listen}: {e}"))?,
+            ssl: None,
+        };
+        let server = tiny_http::Server::with_limits(config, limits)
             .map_err(|e| format!("cannot listen on {listen}: {e}; set server.listen or AENV_LISTEN_ADDR to a free address"))?;
         let server = Arc::new(server);
         let envd = Arc::new(envd_proxy::EnvdProxy::new(
@@ -68,39 +195,154 @@ impl ApiServer {
             ctx.api_key.clone(),
         ));
         let ctx = Arc::new(ctx);
-        let workers = (0..threads)
-            .map(|i| {
-                let server = server.clone();
+        let sizes = LaneSizes {
+            quick_threads: cfg.quick_threads,
+            control_threads: cfg.http_threads,
+            io_threads: cfg.io_threads,
+            max_inflight_per_sandbox: cfg.max_inflight_per_sandbox,
+        };
+        let mut threads = Vec::new();
+        let mut lane = |name: &str, n: usize| {
+            let (tx, rx) = crossbeam_channel::bounded::<Job>(n * 4);
+            for i in 0..n {
+                let rx = rx.clone();
                 let ctx = ctx.clone();
                 let envd = envd.clone();
-                std::thread::Builder::new()
-                    .name(format!("http-{i}"))
-                    .spawn(move || {
-                        while let Ok(request) = server.recv() {
-                            // Requests for a sandbox's envd go to stream threads.
-                            if let Some(request) = envd.divert(request) {
-                                serve_one(&ctx, request);
-                            }
+                threads.push(spawn(format!("{name}-{i}"), move || {
+                    for job in rx {
+                        // The envd proxy takes its requests onto stream threads.
+                        if let Some(request) = envd.divert(job.request) {
+                            serve_one(&ctx, request);
                         }
-                    })
-                    .expect("spawn http worker")
-            })
-            .collect();
-        Ok(ApiServer { server, workers })
+                    }
+                }));
+            }
+            tx
+        };
+        let quick = lane("http-quick", sizes.quick_threads);
+        let control = lane("http-control", sizes.control_threads);
+        let io = lane("http-io", sizes.io_threads);
+        let (reject_tx, reject_rx) = crossbeam_channel::unbounded::<(Request, ApiError)>();
+        for i in 0..REJECT_THREADS {
+            let rx = reject_rx.clone();
+            threads.push(spawn(format!("http-reject-{i}"), move || {
+                for (request, e) in rx {
+                    let _ = respond_error(request, &e);
+                }
+            }));
+        }
+        let dispatcher = Dispatcher {
+            ctx,
+            envd,
+            sizes,
+            quick,
+            control,
+            io,
+            reject: reject_tx,
+            inflight: Arc::new(Mutex::new(HashMap::new())),
+        };
+        let srv = server.clone();
+        threads.push(spawn("http-dispatch".into(), move || {
+            while let Ok(request) = srv.recv() {
+                dispatcher.dispatch(request);
+            }
+        }));
+        Ok(ApiServer { server, threads })
     }
 
     pub fn local_addr(&self) -> String {
         self.server.server_addr().to_string()
     }
 
-    /// Stops accepting requests and joins the workers.
+    /// Stops accepting requests and joins the dispatcher and the pools.
     pub fn stop(self) {
-        for _ in 0..self.workers.len() {
-            self.server.unblock();
+        self.server.unblock();
+        for t in self.threads {
+            let _ = t.join();
         }
-        for w in self.workers {
-            let _ = w.join();
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn http thread")
+}
+
+/// Hands each request to its lane without ever blocking: authentication and the
+/// per-sandbox limit are checked here, refusals go to the rejecters.
+struct Dispatcher {
+    ctx: Arc<Context>,
+    envd: Arc<envd_proxy::EnvdProxy>,
+    sizes: LaneSizes,
+    quick: Sender<Job>,
+    control: Sender<Job>,
+    io: Sender<Job>,
+    reject: Sender<(Request, ApiError)>,
+    inflight: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl Dispatcher {
+    fn dispatch(&self, request: Request) {
+        // envd requests carry their own credentials; the proxy checks them.
+        let lane = if self.envd.wants(&request) {
+            Lane::Stream
+        } else {
+            if let Err(e) = check_auth(&self.ctx, &request) {
+                return self.refuse(request, e);
+            }
+            lane_of(&request)
+        };
+        let (sender, permit) = match lane {
+            Lane::Quick | Lane::Stream => (&self.quick, None),
+            Lane::Control => (&self.control, None),
+            Lane::Io => {
+                let permit = match io_sandbox(&request) {
+                    Some(id) => match InflightPermit::acquire(
+                        &self.inflight,
+                        id.clone(),
+                        self.sizes.max_inflight_per_sandbox,
+                    ) {
+                        Some(p) => Some(p),
+                        None => {
+                            let e = ApiError::new(
+                                429,
+                                format!(
+                                    "sandbox {id} has {} commands and file transfers in flight (server.max_inflight_per_sandbox); retry when one ends",
+                                    self.sizes.max_inflight_per_sandbox
+                                ),
+                            );
+                            return self.refuse(request, e);
+                        }
+                    },
+                    None => None,
+                };
+                (&self.io, permit)
+            }
+        };
+        let job = Job {
+            request,
+            _permit: permit,
+        };
+        if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) = sender.try_send(job)
+        {
+            let e = ApiError::new(
+                503,
+                format!("server busy: the {lane:?} lane's queue is full; retry shortly"),
+            );
+            self.refuse(job.request, e);
         }
+    }
+
+    fn refuse(&self, request: Request, e: ApiError) {
+        log::debug!(
+            "method={} path={} status={} lane=refused",
+            request.method(),
+            request.url().split('?').next().unwrap_or(""),
+            e.status
+        );
+        let _ = self.reject.send((request, e));
     }
 }
 
@@ -108,7 +350,15 @@ fn serve_one(ctx: &Context, mut request: Request) {
     let started = std::time::Instant::now();
     let method = request.method().to_string();
     let url = request.url().to_string();
-    let reply = handle(ctx, &mut request);
+    // A panicking handler costs its request, never the worker (the pool keeps its size).
+    let reply = std::panic::catch_unwind(AssertUnwindSafe(|| handle(ctx, &mut request)))
+        .unwrap_or_else(|_| {
+            log::error!("method={method} path={url} op=handler-panic");
+            Err(ApiError::new(
+                500,
+                "internal error: the request's handler panicked; see the server log",
+            ))
+        });
     let status = match &reply {
         Ok(Reply::Json { status, .. }) => *status,
         Ok(Reply::Empty(s)) => *s,
@@ -129,14 +379,29 @@ fn serve_one(ctx: &Context, mut request: Request) {
     }
 }
 
-fn handle(ctx: &Context, request: &mut Request) -> Result<Reply, ApiError> {
-    let path = request.url().split('?').next().unwrap_or("").to_string();
+/// Requests other than `GET /health` (and `GET /metrics` unless configured otherwise)
+/// need the API key.
+fn check_auth(ctx: &Context, request: &Request) -> Result<(), ApiError> {
+    let path = request.url().split('?').next().unwrap_or("");
     let is_get = *request.method() == tiny_http::Method::Get;
     let exempt = is_get
         && (path == "/health"
             || (path == "/metrics" && !ctx.orchestrator.config().metrics.require_api_key));
-    if !exempt {
-        authenticate(request, &ctx.api_key)?;
+    if exempt {
+        Ok(())
+    } else {
+        authenticate(request, &ctx.api_key)
+    }
+}
+
+fn handle(ctx: &Context, request: &mut Request) -> Result<Reply, ApiError> {
+    if ctx.test_faults
+        && request
+            .headers()
+            .iter()
+            .any(|h| h.field.equiv("X-Aenv-Test-Fault") && h.value.as_str() == "panic")
+    {
+        panic!("test fault: X-Aenv-Test-Fault: panic");
     }
     routes::route(ctx, request)
 }
@@ -193,4 +458,47 @@ fn respond_error(request: Request, e: &ApiError) -> std::io::Result<()> {
         r.add_header(header("Allow", allow));
     }
     request.respond(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tiny_http::{Method, TestRequest};
+
+    fn lane(method: Method, path: &str) -> Lane {
+        let request: Request = TestRequest::new()
+            .with_method(method)
+            .with_path(path)
+            .into();
+        lane_of(&request)
+    }
+
+    #[test]
+    fn lanes_by_method_and_path() {
+        let id = "01900000-0000-7000-8000-000000000000";
+        assert_eq!(lane(Method::Get, "/health"), Lane::Quick);
+        assert_eq!(lane(Method::Get, &format!("/sandboxes/{id}")), Lane::Quick);
+        assert_eq!(lane(Method::Get, "/v2/sandboxes?limit=1"), Lane::Quick);
+        assert_eq!(lane(Method::Post, "/sandboxes"), Lane::Control);
+        assert_eq!(
+            lane(Method::Delete, &format!("/sandboxes/{id}")),
+            Lane::Control
+        );
+        let commands = format!("/sandboxes/{id}/commands");
+        assert_eq!(lane(Method::Post, &commands), Lane::Io);
+        let files = format!("/sandboxes/{id}/files?path=/x");
+        assert_eq!(lane(Method::Get, &files), Lane::Io);
+        assert_eq!(lane(Method::Put, &files), Lane::Io);
+    }
+
+    #[test]
+    fn inflight_permits_are_per_sandbox_and_released() {
+        let counts = Arc::new(Mutex::new(HashMap::new()));
+        let a1 = InflightPermit::acquire(&counts, "a".into(), 2).unwrap();
+        let _a2 = InflightPermit::acquire(&counts, "a".into(), 2).unwrap();
+        assert!(InflightPermit::acquire(&counts, "a".into(), 2).is_none());
+        assert!(InflightPermit::acquire(&counts, "b".into(), 2).is_some());
+        drop(a1);
+        assert!(InflightPermit::acquire(&counts, "a".into(), 2).is_some());
+    }
 }

@@ -66,6 +66,13 @@ impl Server {
         server
     }
 
+    /// Starts a server with extra `[server]` keys (TOML lines) and environment variables.
+    pub fn start_with_server_keys(server_keys: &str, env: &[(&str, &str)]) -> Server {
+        let mut server = Server::configure_full(&scratch_dir(), &[], server_keys, "");
+        server.spawn_with_env(env);
+        server
+    }
+
     fn start_full(vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
         let mut server = Server::configure(&scratch_dir(), vm_overrides, extra_toml);
         server.spawn();
@@ -75,6 +82,16 @@ impl Server {
     /// Writes a config whose state dir is `<dir>/state`, without starting the process
     /// (call [`Server::spawn`], or run the binary on `config_path` yourself).
     pub fn configure(dir: &Path, vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
+        Server::configure_full(dir, vm_overrides, "", extra_toml)
+    }
+
+    /// Like [`Server::configure`], with extra `[server]` keys (TOML lines).
+    pub fn configure_full(
+        dir: &Path,
+        vm_overrides: &[(&str, String)],
+        server_keys: &str,
+        extra_toml: &str,
+    ) -> Server {
         let state_dir = dir.to_path_buf();
         std::fs::create_dir_all(&state_dir).unwrap();
         let port = free_port();
@@ -85,6 +102,7 @@ impl Server {
 listen = "0.0.0.0:{port}"
 state_dir = "{state}"
 api_key = "{API_KEY}"
+{server_keys}
 
 [vm]
 {vm}

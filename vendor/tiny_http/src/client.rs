@@ -8,6 +8,8 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 
 use crate::common::{HTTPVersion, Method};
+use crate::limits::{ConnControl, Limits};
+use std::sync::Arc;
 use crate::util::RefinedTcpStream;
 use crate::util::{SequentialReader, SequentialReaderBuilder, SequentialWriterBuilder};
 use crate::Request;
@@ -34,6 +36,10 @@ pub struct ClientConnection {
 
     // true if the connection goes through SSL
     secure: bool,
+
+    // agentenv patch: the connection's bounds and its shared read deadlines
+    limits: Arc<Limits>,
+    control: Arc<ConnControl>,
 }
 
 /// Error that can happen when reading a request.
@@ -41,6 +47,11 @@ pub struct ClientConnection {
 enum ReadError {
     WrongRequestLine,
     WrongHeader(HTTPVersion),
+    /// request line and headers exceed `Limits::max_header_bytes`
+    HeaderTooLarge,
+    /// the connection was idle (no byte of a new request) past `Limits::idle_timeout`, or
+    /// the previous request left a body that could not be drained
+    Closed,
     /// the client sent an unrecognized `Expect` header
     ExpectationFailed(HTTPVersion),
     ReadIoError(IoError),
@@ -50,8 +61,11 @@ impl ClientConnection {
     /// Creates a new `ClientConnection` that takes ownership of the `TcpStream`.
     pub fn new(
         write_socket: RefinedTcpStream,
-        mut read_socket: RefinedTcpStream,
+        read_socket: RefinedTcpStream,
+        limits: Arc<Limits>,
     ) -> ClientConnection {
+        let control = ConnControl::new();
+        let mut read_socket = read_socket.with_control(control.clone());
         let remote_addr = read_socket.peer_addr();
         let secure = read_socket.secure();
 
@@ -65,6 +79,8 @@ impl ClientConnection {
             next_header_source: first_header,
             no_more_requests: false,
             secure,
+            limits,
+            control,
         }
     }
 
@@ -77,7 +93,10 @@ impl ClientConnection {
     ///
     /// Reads until `CRLF` is reached. The next read will start
     ///  at the first byte of the new line.
-    fn read_next_line(&mut self) -> IoResult<AsciiString> {
+    ///
+    /// agentenv patch: at most `budget` bytes (else `ReadError::HeaderTooLarge`); the
+    /// first byte of a request switches the idle deadline to the header deadline.
+    fn read_next_line(&mut self, budget: &mut usize, started: &mut bool) -> Result<AsciiString, ReadError> {
         let mut buf = Vec::new();
         let mut prev_byte_was_cr = false;
 
@@ -85,14 +104,35 @@ impl ClientConnection {
             let byte = self.next_header_source.by_ref().bytes().next();
 
             let byte = match byte {
-                Some(b) => b?,
-                None => return Err(IoError::new(ErrorKind::ConnectionAborted, "Unexpected EOF")),
+                Some(Ok(b)) => b,
+                Some(Err(e)) if e.kind() == ErrorKind::TimedOut && !*started => {
+                    return Err(ReadError::Closed)
+                }
+                Some(Err(e)) => return Err(ReadError::ReadIoError(e)),
+                None => {
+                    return Err(ReadError::ReadIoError(IoError::new(
+                        ErrorKind::ConnectionAborted,
+                        "Unexpected EOF",
+                    )))
+                }
             };
+            if !*started {
+                *started = true;
+                self.control.set_deadline(self.limits.header_timeout);
+            }
+            if *budget == 0 {
+                return Err(ReadError::HeaderTooLarge);
+            }
+            *budget -= 1;
 
             if byte == b'\n' && prev_byte_was_cr {
                 buf.pop(); // removing the '\r'
-                return AsciiString::from_ascii(buf)
-                    .map_err(|_| IoError::new(ErrorKind::InvalidInput, "Header is not in ASCII"));
+                return AsciiString::from_ascii(buf).map_err(|_| {
+                    ReadError::ReadIoError(IoError::new(
+                        ErrorKind::InvalidInput,
+                        "Header is not in ASCII",
+                    ))
+                });
             }
 
             prev_byte_was_cr = byte == b'\r';
@@ -104,10 +144,21 @@ impl ClientConnection {
     /// Reads a request from the stream.
     /// Blocks until the header has been read.
     fn read(&mut self) -> Result<Request, ReadError> {
+        // agentenv patch: once the previous request has released the stream, a connection
+        // whose previous body was left undrained closes; otherwise the idle timer starts.
+        self.next_header_source.wait_turn();
+        if self.control.must_close() {
+            return Err(ReadError::Closed);
+        }
+        self.control.set_per_read(None);
+        self.control.set_deadline(self.limits.idle_timeout);
+        let mut budget = self.limits.max_header_bytes;
+        let mut started = false;
+
         let (method, path, version, headers) = {
             // reading the request line
             let (method, path, version) = {
-                let line = self.read_next_line().map_err(ReadError::ReadIoError)?;
+                let line = self.read_next_line(&mut budget, &mut started)?;
 
                 parse_request_line(
                     line.as_str().trim(), // TODO: remove this conversion
@@ -118,7 +169,7 @@ impl ClientConnection {
             let headers = {
                 let mut headers = Vec::new();
                 loop {
-                    let line = self.read_next_line().map_err(ReadError::ReadIoError)?;
+                    let line = self.read_next_line(&mut budget, &mut started)?;
 
                     if line.is_empty() {
                         break;
@@ -143,16 +194,19 @@ impl ClientConnection {
         let mut data_source = self.source.next().unwrap();
         std::mem::swap(&mut self.next_header_source, &mut data_source);
 
-        // building the next reader
+        // building the next reader (a buffered body still counts against the header
+        // deadline; a streamed one gets the per-read body timeout)
         let request = crate::request::new_request(
             self.secure,
             method,
             path,
             version.clone(),
             headers,
-            *self.remote_addr.as_ref().unwrap(),
+            self.remote_addr.as_ref().ok().copied().flatten(),
             data_source,
             writer,
+            &self.limits,
+            &self.control,
         )
         .map_err(|e| {
             use crate::request;
@@ -161,8 +215,11 @@ impl ClientConnection {
                 request::RequestCreationError::ExpectationFailed => {
                     ReadError::ExpectationFailed(version)
                 }
+                request::RequestCreationError::BadLength => ReadError::WrongHeader(version),
             }
         })?;
+        self.control.set_deadline(None);
+        self.control.set_per_read(self.limits.body_timeout);
 
         // return the request
         Ok(request)
@@ -185,32 +242,27 @@ impl Iterator for ClientConnection {
 
         loop {
             let rq = match self.read() {
+                // we don't know where the next request would start, so we have to close
                 Err(ReadError::WrongRequestLine) => {
-                    let writer = self.sink.next().unwrap();
-                    let response = Response::new_empty(StatusCode(400));
-                    response
-                        .raw_print(writer, HTTPVersion(1, 1), &[], false, None)
-                        .ok();
-                    return None; // we don't know where the next request would start,
-                                 // se we have to close
+                    self.reject(400, HTTPVersion(1, 1));
+                    return None;
                 }
 
                 Err(ReadError::WrongHeader(ver)) => {
-                    let writer = self.sink.next().unwrap();
-                    let response = Response::new_empty(StatusCode(400));
-                    response.raw_print(writer, ver, &[], false, None).ok();
-                    return None; // we don't know where the next request would start,
-                                 // se we have to close
+                    self.reject(400, ver);
+                    return None;
                 }
 
+                Err(ReadError::HeaderTooLarge) => {
+                    self.reject(431, HTTPVersion(1, 1));
+                    return None;
+                }
+
+                Err(ReadError::Closed) => return None,
+
                 Err(ReadError::ReadIoError(ref err)) if err.kind() == ErrorKind::TimedOut => {
-                    // request timeout
-                    let writer = self.sink.next().unwrap();
-                    let response = Response::new_empty(StatusCode(408));
-                    response
-                        .raw_print(writer, HTTPVersion(1, 1), &[], false, None)
-                        .ok();
-                    return None; // closing the connection
+                    self.reject(408, HTTPVersion(1, 1));
+                    return None;
                 }
 
                 Err(ReadError::ExpectationFailed(ver)) => {
@@ -262,6 +314,29 @@ impl Iterator for ClientConnection {
             // returning the request
             return Some(rq);
         }
+    }
+}
+
+impl ClientConnection {
+    /// agentenv patch: answers `status` with `Connection: close`, then reads and discards
+    /// what the client still sends (bounded in bytes and time) so that closing the socket
+    /// does not reset the connection before the client has read the answer.
+    fn reject(&mut self, status: u16, version: HTTPVersion) {
+        use crate::{Response, StatusCode};
+        use std::io::Write;
+        let mut writer = self.sink.next().unwrap();
+        let response = Response::new_empty(StatusCode(status)).with_connection_close();
+        if response
+            .raw_print(&mut writer, version, &[], false, None)
+            .and_then(|_| writer.flush())
+            .is_err()
+        {
+            return;
+        }
+        self.control.set_per_read(None);
+        self.control.set_deadline(Some(self.limits.drain_timeout));
+        let mut rest = (&mut self.next_header_source).take(self.limits.drain_limit);
+        let _ = std::io::copy(&mut rest, &mut std::io::sink());
     }
 }
 

@@ -99,7 +99,7 @@ use std::io::Error as IoError;
 use std::io::ErrorKind as IoErrorKind;
 use std::io::Result as IoResult;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -112,6 +112,7 @@ use util::MessagesQueue;
 
 pub use common::{HTTPVersion, Header, HeaderField, Method, StatusCode};
 pub use connection::{ConfigListenAddr, ListenAddr, Listener};
+pub use limits::Limits;
 pub use request::{ReadWrite, Request};
 pub use response::{Response, ResponseBox};
 pub use test::TestRequest;
@@ -119,6 +120,7 @@ pub use test::TestRequest;
 mod client;
 mod common;
 mod connection;
+mod limits;
 mod request;
 mod response;
 mod ssl;
@@ -140,6 +142,9 @@ pub struct Server {
 
     // result of TcpListener::local_addr()
     listening_addr: ListenAddr,
+
+    // agentenv patch: connections open now
+    connections: Arc<AtomicUsize>,
 }
 
 enum Message {
@@ -161,6 +166,7 @@ impl From<Request> for Message {
 
 // this trait is to make sure that Server implements Share and Send
 #[doc(hidden)]
+#[allow(dead_code)]
 trait MustBeShareDummy: Sync + Send {}
 #[doc(hidden)]
 impl MustBeShareDummy for Server {}
@@ -231,8 +237,17 @@ impl Server {
 
     /// Builds a new server that listens on the specified address.
     pub fn new(config: ServerConfig) -> Result<Server, Box<dyn Error + Send + Sync + 'static>> {
+        Self::with_limits(config, Limits::default())
+    }
+
+    /// Like [`Server::new`], with explicit bounds on what each connection may cost
+    /// (agentenv patch).
+    pub fn with_limits(
+        config: ServerConfig,
+        limits: Limits,
+    ) -> Result<Server, Box<dyn Error + Send + Sync + 'static>> {
         let listener = config.addr.bind()?;
-        Self::from_listener(listener, config.ssl)
+        Self::from_listener_with_limits(listener, config.ssl, limits)
     }
 
     /// Builds a new server using the specified TCP listener.
@@ -243,7 +258,19 @@ impl Server {
         listener: L,
         ssl_config: Option<SslConfig>,
     ) -> Result<Server, Box<dyn Error + Send + Sync + 'static>> {
+        Self::from_listener_with_limits(listener, ssl_config, Limits::default())
+    }
+
+    /// Like [`Server::from_listener`], with explicit [`Limits`] (agentenv patch).
+    pub fn from_listener_with_limits<L: Into<Listener>>(
+        listener: L,
+        ssl_config: Option<SslConfig>,
+        limits: Limits,
+    ) -> Result<Server, Box<dyn Error + Send + Sync + 'static>> {
         let listener = listener.into();
+        let limits = Arc::new(limits);
+        let connections = Arc::new(AtomicUsize::new(0));
+        let inside_connections = connections.clone();
         // building the "close" variable
         let close_trigger = Arc::new(AtomicBool::new(false));
 
@@ -294,6 +321,13 @@ impl Server {
                 let new_client = match server.accept() {
                     Ok((sock, _)) => {
                         use util::RefinedTcpStream;
+                        if inside_connections.load(Relaxed) >= limits.max_connections {
+                            refuse_connection(sock);
+                            continue;
+                        }
+                        if sock.set_write_timeout(limits.write_timeout).is_err() {
+                            continue;
+                        }
                         let (read_closable, write_closable) = match ssl {
                             None => RefinedTcpStream::new(sock),
                             #[cfg(any(feature = "ssl-openssl", feature = "ssl-rustls"))]
@@ -311,7 +345,11 @@ impl Server {
                             Some(ref _ssl) => unreachable!(),
                         };
 
-                        Ok(ClientConnection::new(write_closable, read_closable))
+                        Ok(ClientConnection::new(
+                            write_closable,
+                            read_closable,
+                            limits.clone(),
+                        ))
                     }
                     Err(e) => Err(e),
                 };
@@ -320,7 +358,10 @@ impl Server {
                     Ok(client) => {
                         let messages = inside_messages.clone();
                         let mut client = Some(client);
+                        let open = OpenConnection::new(inside_connections.clone());
+                        let mut open = Some(open);
                         tasks_pool.spawn(Box::new(move || {
+                            let _open = open.take();
                             if let Some(client) = client.take() {
                                 // Synchronization is needed for HTTPS requests to avoid a deadlock
                                 if client.secure() {
@@ -353,6 +394,7 @@ impl Server {
             messages,
             close: close_trigger,
             listening_addr: local_addr,
+            connections,
         })
     }
 
@@ -372,8 +414,7 @@ impl Server {
 
     /// Returns the number of clients currently connected to the server.
     pub fn num_connections(&self) -> usize {
-        unimplemented!()
-        //self.requests_receiver.lock().len()
+        self.connections.load(Relaxed)
     }
 
     /// Blocks until an HTTP request has been submitted and returns it.
@@ -408,6 +449,49 @@ impl Server {
     /// This method allows graceful shutdown of server.
     pub fn unblock(&self) {
         self.messages.unblock();
+    }
+}
+
+/// Counts one open connection while alive (agentenv patch).
+struct OpenConnection(Arc<AtomicUsize>);
+
+impl OpenConnection {
+    fn new(count: Arc<AtomicUsize>) -> OpenConnection {
+        count.fetch_add(1, Relaxed);
+        OpenConnection(count)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Answers a connection past `Limits::max_connections` with 503 without ever blocking the
+/// accept thread, and closes it (agentenv patch).
+fn refuse_connection(sock: Connection) {
+    use std::io::{Read, Write};
+    const BODY: &str = "{\"code\":503,\"message\":\"too many open connections; retry later\"}";
+    let mut sock = sock;
+    if sock.set_nonblocking(true).is_err() {
+        return;
+    }
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+        BODY.len(),
+        BODY
+    );
+    let _ = sock.write(answer.as_bytes());
+    let _ = sock.shutdown(Shutdown::Write);
+    // Whatever the client already sent is read, so that closing does not reset the
+    // connection before it has seen the answer.
+    let mut buf = [0u8; 4096];
+    for _ in 0..16 {
+        match sock.read(&mut buf) {
+            Ok(n) if n > 0 => continue,
+            _ => break,
+        }
     }
 }
 

@@ -7,7 +7,9 @@ use std::str::FromStr;
 
 use std::sync::mpsc::Sender;
 
+use crate::limits::{ConnControl, Drained, Limits};
 use crate::util::{EqualReader, FusedReader};
+use std::sync::Arc;
 use crate::{HTTPVersion, Header, Method, Response, StatusCode};
 use chunked_transfer::Decoder;
 
@@ -74,6 +76,9 @@ pub struct Request {
 
     // If Some, a message must be sent after responding
     notify_when_responded: Option<Sender<()>>,
+
+    // agentenv patch: the connection's read deadlines
+    control: Option<Arc<ConnControl>>,
 }
 
 struct NotifyOnDrop<R> {
@@ -108,6 +113,9 @@ pub enum RequestCreationError {
 
     /// Error while reading data from the socket during the creation of the `Request`.
     CreationIoError(IoError),
+
+    /// agentenv patch: a `Content-Length` that is not a number, or several that differ
+    BadLength,
 }
 
 impl From<IoError> for RequestCreationError {
@@ -135,6 +143,8 @@ pub fn new_request<R, W>(
     remote_addr: Option<SocketAddr>,
     mut source_data: R,
     writer: W,
+    limits: &Limits,
+    control: &Arc<ConnControl>,
 ) -> Result<Request, RequestCreationError>
 where
     R: Read + Send + 'static,
@@ -147,16 +157,25 @@ where
         .map(|h| h.value.clone());
 
     // finding the content-length header
-    let content_length = if transfer_encoding.is_some() {
+    // agentenv patch: an unparsable Content-Length, or differing ones, is refused (upstream
+    // treated it as absent and read the body as the next request)
+    let mut lengths = headers
+        .iter()
+        .filter(|h: &&Header| h.field.equiv("Content-Length"))
+        .map(|h| usize::from_str(h.value.as_str().trim()));
+    let mut content_length: Option<usize> = None;
+    for length in lengths.by_ref() {
+        match (length, content_length) {
+            (Err(_), _) => return Err(RequestCreationError::BadLength),
+            (Ok(n), Some(m)) if n != m => return Err(RequestCreationError::BadLength),
+            (Ok(n), _) => content_length = Some(n),
+        }
+    }
+    if transfer_encoding.is_some() {
         // if transfer-encoding is specified, the Content-Length
         // header must be ignored (RFC2616 #4.4)
-        None
-    } else {
-        headers
-            .iter()
-            .find(|h: &&Header| h.field.equiv("Content-Length"))
-            .and_then(|h| FromStr::from_str(h.value.as_str()).ok())
-    };
+        content_length = None;
+    }
 
     // true if the client sent a `Expect: 100-continue` header
     let expects_continue = {
@@ -191,34 +210,44 @@ where
     } else if let Some(content_length) = content_length {
         if content_length == 0 {
             Box::new(io::empty()) as Box<dyn Read + Send + 'static>
-        } else if content_length <= 1024 && !expects_continue {
+        } else if content_length <= limits.buffer_body_up_to && !expects_continue {
             // if the content-length is small enough, we just read everything into a buffer
-
-            let mut buffer = vec![0; content_length];
-            let mut offset = 0;
-
-            while offset != content_length {
-                let read = source_data.read(&mut buffer[offset..])?;
-                if read == 0 {
-                    // the socket returned EOF, but we were before the expected content-length
-                    // aborting
-                    let info = "Connection has been closed before we received enough data";
-                    let err = IoError::new(ErrorKind::ConnectionAborted, info);
-                    return Err(RequestCreationError::CreationIoError(err));
-                }
-
-                offset += read;
+            // (agentenv patch: grown as data arrives, never allocated from the claimed length)
+            let mut buffer = Vec::new();
+            (&mut source_data)
+                .take(content_length as u64)
+                .read_to_end(&mut buffer)?;
+            if buffer.len() != content_length {
+                // the socket returned EOF, but we were before the expected content-length
+                // aborting
+                let info = "Connection has been closed before we received enough data";
+                let err = IoError::new(ErrorKind::ConnectionAborted, info);
+                return Err(RequestCreationError::CreationIoError(err));
             }
 
             Box::new(Cursor::new(buffer)) as Box<dyn Read + Send + 'static>
         } else {
             let (data_reader, _) = EqualReader::new(source_data, content_length); // TODO:
-            Box::new(FusedReader::new(data_reader)) as Box<dyn Read + Send + 'static>
+            let body = Drained::new(
+                data_reader,
+                Some(content_length as u64),
+                limits.drain_limit,
+                limits.drain_timeout,
+                control.clone(),
+            );
+            Box::new(FusedReader::new(body)) as Box<dyn Read + Send + 'static>
         }
     } else if transfer_encoding.is_some() {
         // if a transfer-encoding was specified, then "chunked" is ALWAYS applied
         // over the message (RFC2616 #3.6)
-        Box::new(FusedReader::new(Decoder::new(source_data))) as Box<dyn Read + Send + 'static>
+        let body = Drained::new(
+            Decoder::new(source_data),
+            None,
+            limits.drain_limit,
+            limits.drain_timeout,
+            control.clone(),
+        );
+        Box::new(FusedReader::new(body)) as Box<dyn Read + Send + 'static>
     } else {
         // if we have neither a Content-Length nor a Transfer-Encoding,
         // assuming that we have no data
@@ -238,6 +267,7 @@ where
         body_length: content_length,
         must_send_continue: expects_continue,
         notify_when_responded: None,
+        control: Some(control.clone()),
     })
 }
 
@@ -288,6 +318,15 @@ impl Request {
     /// Note that this is gathered from the socket. If you receive the request from a proxy,
     /// this function will return the address of the proxy and not the address of the actual
     /// user.
+    /// agentenv patch: the longest wait for any read of this request's body (`None`: no
+    /// limit), e.g. for a long-lived streamed request body. The server's `body_timeout`
+    /// applies until this is called.
+    pub fn set_body_timeout(&self, timeout: Option<std::time::Duration>) {
+        if let Some(control) = &self.control {
+            control.set_per_read(timeout);
+        }
+    }
+
     #[inline]
     pub fn remote_addr(&self) -> Option<&SocketAddr> {
         self.remote_addr.as_ref()

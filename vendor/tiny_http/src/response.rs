@@ -183,6 +183,21 @@ fn choose_transfer_encoding(
     TransferEncoding::Identity
 }
 
+/// A writer that flushes its inner writer after every write (agentenv patch).
+struct FlushEach<W: Write>(W);
+
+impl<W: Write> Write for FlushEach<W> {
+    fn write(&mut self, buf: &[u8]) -> IoResult<usize> {
+        self.0.write_all(buf)?;
+        self.0.flush()?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> IoResult<()> {
+        self.0.flush()
+    }
+}
+
 impl<R> Response<R>
 where
     R: Read,
@@ -226,6 +241,13 @@ where
     /// transfer. Notice that chunked transfer might happen regardless of
     /// this threshold, for instance when the request headers indicate
     /// it is wanted or when there is no `Content-Length`.
+    /// agentenv patch: adds `Connection: close` (which `add_header` refuses).
+    pub(crate) fn with_connection_close(mut self) -> Response<R> {
+        self.headers
+            .push(Header::from_bytes(&b"Connection"[..], &b"close"[..]).unwrap());
+        self
+    }
+
     pub fn with_chunked_threshold(mut self, length: usize) -> Response<R> {
         self.chunked_threshold = Some(length);
         self
@@ -433,8 +455,20 @@ where
                 Some(TransferEncoding::Chunked) => {
                     use chunked_transfer::Encoder;
 
-                    let mut writer = Encoder::new(writer);
-                    io::copy(&mut reader, &mut writer)?;
+                    // agentenv patch: every read of the body goes out as one chunk, flushed
+                    // to the socket, so streamed answers reach the client as they are made
+                    // (upstream buffered 8 KiB per chunk and flushed only at the end).
+                    let mut writer = Encoder::with_flush_after_write(FlushEach(writer));
+                    let mut buf = [0u8; 8192];
+                    loop {
+                        let n = match reader.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => n,
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                            Err(e) => return Err(e),
+                        };
+                        writer.write_all(&buf[..n])?;
+                    }
                 }
 
                 Some(TransferEncoding::Identity) => {

@@ -3,6 +3,9 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr};
 
 use crate::connection::Connection;
+use crate::limits::ConnControl;
+use std::sync::Arc;
+use std::time::Duration;
 #[cfg(any(feature = "ssl-openssl", feature = "ssl-rustls"))]
 use crate::ssl::SslStream;
 
@@ -42,6 +45,14 @@ impl Stream {
             Stream::Http(tcp_stream) => tcp_stream.peer_addr(),
             #[cfg(any(feature = "ssl-openssl", feature = "ssl-rustls"))]
             Stream::Https(ssl_stream) => ssl_stream.peer_addr(),
+        }
+    }
+
+    fn set_read_timeout(&mut self, t: Option<Duration>) -> IoResult<()> {
+        match self {
+            Stream::Http(tcp_stream) => tcp_stream.set_read_timeout(t),
+            #[cfg(any(feature = "ssl-openssl", feature = "ssl-rustls"))]
+            Stream::Https(_) => Ok(()),
         }
     }
 
@@ -86,6 +97,9 @@ pub struct RefinedTcpStream {
     stream: Stream,
     close_read: bool,
     close_write: bool,
+    /// agentenv patch: deadlines of the read side, applied before each socket read.
+    control: Option<Arc<ConnControl>>,
+    applied_timeout: Option<Option<Duration>>,
 }
 
 impl RefinedTcpStream {
@@ -101,12 +115,16 @@ impl RefinedTcpStream {
             stream: read,
             close_read: true,
             close_write: false,
+            control: None,
+            applied_timeout: None,
         };
 
         let write = RefinedTcpStream {
             stream: write,
             close_read: false,
             close_write: true,
+            control: None,
+            applied_timeout: None,
         };
 
         (read, write)
@@ -120,6 +138,12 @@ impl RefinedTcpStream {
 
     pub(crate) fn peer_addr(&mut self) -> IoResult<Option<SocketAddr>> {
         self.stream.peer_addr()
+    }
+
+    /// Reads of this stream follow `control`'s deadlines from now on.
+    pub(crate) fn with_control(mut self, control: Arc<ConnControl>) -> Self {
+        self.control = Some(control);
+        self
     }
 }
 
@@ -137,6 +161,20 @@ impl Drop for RefinedTcpStream {
 
 impl Read for RefinedTcpStream {
     fn read(&mut self, buf: &mut [u8]) -> IoResult<usize> {
+        if let Some(control) = &self.control {
+            let timeout = control.read_timeout()?;
+            if self.applied_timeout != Some(timeout) {
+                self.stream.set_read_timeout(timeout)?;
+                self.applied_timeout = Some(timeout);
+            }
+            // An expired SO_RCVTIMEO reads as EAGAIN (WouldBlock): report it as a timeout.
+            return self.stream.read(buf).map_err(|e| match e.kind() {
+                std::io::ErrorKind::WouldBlock => {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "read timed out")
+                }
+                _ => e,
+            });
+        }
         self.stream.read(buf)
     }
 }

@@ -110,11 +110,31 @@ impl<W: Write + Send> Iterator for SequentialWriterBuilder<W> {
     }
 }
 
+impl<R: Read + Send> SequentialReader<R> {
+    /// Blocks until the previous reader is done (agentenv patch: lets the connection start
+    /// its idle timer only once the previous request has released the stream).
+    pub fn wait_turn(&mut self) {
+        if let SequentialReaderInner::Waiting(ref mut recv) = self.inner {
+            if let Ok(reader) = recv.recv() {
+                self.inner = SequentialReaderInner::MyTurn(reader);
+            }
+        }
+    }
+}
+
 impl<R: Read + Send> Read for SequentialReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> IoResult<usize> {
         let mut reader = match self.inner {
             SequentialReaderInner::MyTurn(ref mut reader) => return reader.read(buf),
-            SequentialReaderInner::Waiting(ref mut recv) => recv.recv().unwrap(),
+            SequentialReaderInner::Waiting(ref mut recv) => match recv.recv() {
+                Ok(reader) => reader,
+                Err(_) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "previous reader lost",
+                    ))
+                }
+            },
             SequentialReaderInner::Empty => unreachable!(),
         };
 
