@@ -55,6 +55,13 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 step "QEMU: $(qemu-system-x86_64 --version | head -1)"
 
+step "VM account agentenv-vm"
+# Reserved for running QEMU unprivileged (docs/security.md); install.sh creates it alike.
+getent passwd agentenv-vm >/dev/null \
+  || useradd --system --user-group --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin agentenv-vm \
+  || die "cannot create the system account agentenv-vm"
+
 step "guest kernel into $ASSETS"
 # The state dir holds guest disks and memory: private (the server tightens it too).
 STATE=${AENV_STATE_DIR:-/var/lib/agentenv}

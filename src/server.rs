@@ -121,10 +121,11 @@ fn lock_host() -> Result<sys::fs::LockFile, StartupError> {
             Ok(lock)
         }
         None => {
+            // The holder writes its pid; one that has not yet (or a test) is unnamed.
             let holder = std::fs::read_to_string(path).unwrap_or_default();
-            let holder = match holder.trim() {
-                "" => String::new(),
-                pid => format!(" (pid {pid})"),
+            let holder = match holder.trim().parse::<u32>() {
+                Ok(pid) if Path::new(&format!("/proc/{pid}")).exists() => format!(" (pid {pid})"),
+                _ => String::new(),
             };
             Err(StartupError(format!(
                 "another agentenv server runs on this host{holder} and holds {HOST_LOCK}: one \

@@ -23,6 +23,8 @@ fn serial() -> (
     std::fs::create_dir_all(crate::server::RUNTIME_DIR).unwrap();
     let lock =
         crate::sys::fs::lock_exclusive(std::path::Path::new(crate::server::HOST_LOCK)).unwrap();
+    lock.set_contents(&format!("{}\n", std::process::id()))
+        .unwrap();
     (guard, lock)
 }
 
