@@ -14,15 +14,29 @@ use std::time::{Duration, Instant};
 
 static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
-/// One test at a time, and no server on the host meanwhile (its slots would be reclaimed).
+/// One test at a time, and no server on the host meanwhile (its slots would be reclaimed):
+/// waits up to two minutes for a running server to stop, then fails saying which.
 fn serial() -> (
     parking_lot::MutexGuard<'static, ()>,
     crate::sys::fs::LockFile,
 ) {
     let guard = SERIAL.lock();
     std::fs::create_dir_all(crate::server::RUNTIME_DIR).unwrap();
-    let lock =
-        crate::sys::fs::lock_exclusive(std::path::Path::new(crate::server::HOST_LOCK)).unwrap();
+    let path = std::path::Path::new(crate::server::HOST_LOCK);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let lock = loop {
+        if let Some(lock) = crate::sys::fs::try_lock_exclusive(path).unwrap() {
+            break lock;
+        }
+        let holder = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            Instant::now() < deadline,
+            "an agentenv server (pid {}) holds {}: stop it to run the real network tests",
+            holder.trim(),
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
     lock.set_contents(&format!("{}\n", std::process::id()))
         .unwrap();
     (guard, lock)

@@ -29,23 +29,6 @@ pub fn try_lock_exclusive(path: &Path) -> SysResult<Option<LockFile>> {
     lock(path, libc::LOCK_EX | libc::LOCK_NB)
 }
 
-/// Takes `flock(LOCK_EX)` on `path`, creating it, waiting while another process holds it.
-pub fn lock_exclusive(path: &Path) -> SysResult<LockFile> {
-    loop {
-        match lock(path, libc::LOCK_EX) {
-            Ok(Some(lock)) => return Ok(lock),
-            Err(e) if e.errno() == Some(libc::EINTR) => continue,
-            Err(e) => return Err(e),
-            Ok(None) => {
-                return Err(SysError::from_errno(
-                    format!("flock {}", path.display()),
-                    libc::EWOULDBLOCK,
-                ))
-            }
-        }
-    }
-}
-
 fn lock(path: &Path, operation: libc::c_int) -> SysResult<Option<LockFile>> {
     let file = OpenOptions::new()
         .create(true)
