@@ -376,6 +376,27 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
     })
 }
 
+/// Debian's (libc-bin) C.UTF-8 locale files, copied into the built-in base image.
+const HOST_C_UTF8_LOCALE: &str = "/usr/lib/locale/C.utf8";
+
+/// Adds the directories and regular files under `host` to `layer` at `at`.
+fn add_host_tree(layer: &mut LayerBuilder, host: &Path, at: &str) -> Result<(), ImageError> {
+    let io = |e: std::io::Error| ImageError::Io(format!("cannot read {}: {e}", host.display()));
+    layer.dir(at, 0o755);
+    let mut entries: Vec<_> = fs::read_dir(host).map_err(io)?.flatten().collect();
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = format!("{at}/{}", entry.file_name().to_string_lossy());
+        let kind = entry.file_type().map_err(io)?;
+        if kind.is_dir() {
+            add_host_tree(layer, &entry.path(), &name)?;
+        } else if kind.is_file() {
+            layer.file(&name, 0o644, &fs::read(entry.path()).map_err(io)?);
+        }
+    }
+    Ok(())
+}
+
 /// The PATH every agentenv base image sets.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -383,7 +404,8 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 /// busybox binary: /bin/busybox with a symlink per applet, /etc/passwd and /etc/group,
 /// and the usual empty directories. With `bash` (a static bash, Debian's `bash-static`)
 /// it is /bin/bash, which the E2B SDKs run every command with. The image has E2B's
-/// default account `user` (uid 1000, home /home/user) besides root.
+/// default account `user` (uid 1000, home /home/user) besides root, a minimal
+/// /etc/profile, and the build host's C.UTF-8 locale when it has one.
 pub fn build_busybox_layout(
     busybox: &Path,
     bash: Option<&Path>,
@@ -463,6 +485,18 @@ pub fn build_busybox_layout(
     for applet in applets.iter().filter(|a| bash.is_none() || *a != "bash") {
         layer.symlink(&format!("bin/{applet}"), "busybox");
     }
+    // glibc's C.UTF-8 locale (the E2B PTY sets LC_ALL=C.UTF-8; without it bash warns).
+    let locale = Path::new(HOST_C_UTF8_LOCALE);
+    if locale.is_dir() {
+        layer.dir("usr/lib", 0o755).dir("usr/lib/locale", 0o755);
+        add_host_tree(&mut layer, locale, "usr/lib/locale/C.utf8")?;
+    }
+    layer.file(
+        "etc/profile",
+        0o644,
+        b"export PATH=\"${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}\"\n\
+          PS1='\\u@\\h:\\w\\$ '\n",
+    );
     let passwd = format!(
         "root:x:0:0:root:/root:{shell}\nuser:x:1000:1000:user:/home/user:{shell}\n\
          nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
