@@ -81,6 +81,34 @@ pub fn find_in_path(program: &Path) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// `to` as a path relative to the directory `from_dir` (both absolute), e.g.
+/// `/s/sandboxes/x` → `/s/images/a.ext4` is `../../images/a.ext4`. `None` unless both are
+/// absolute.
+pub fn relative_path(from_dir: &Path, to: &Path) -> Option<PathBuf> {
+    use std::path::Component;
+    if !from_dir.is_absolute() || !to.is_absolute() {
+        return None;
+    }
+    let from: Vec<Component> = from_dir.components().collect();
+    let target: Vec<Component> = to.components().collect();
+    if from
+        .iter()
+        .chain(&target)
+        .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+    {
+        return None;
+    }
+    let common = from.iter().zip(&target).take_while(|(a, b)| a == b).count();
+    let mut out = PathBuf::new();
+    for _ in common..from.len() {
+        out.push("..");
+    }
+    for c in &target[common..] {
+        out.push(c);
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,5 +136,17 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"abcd"));
         assert!(!constant_time_eq(b"", b"a"));
+    }
+
+    #[test]
+    fn relative_paths_climb_to_the_common_ancestor() {
+        let rel = |a: &str, b: &str| relative_path(Path::new(a), Path::new(b));
+        assert_eq!(
+            rel("/s/sandboxes/x", "/s/images/a.ext4"),
+            Some(PathBuf::from("../../images/a.ext4"))
+        );
+        assert_eq!(rel("/s", "/s/a"), Some(PathBuf::from("a")));
+        assert_eq!(rel("s/x", "/s/a"), None);
+        assert_eq!(rel("/s/../x", "/s/a"), None);
     }
 }

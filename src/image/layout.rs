@@ -343,6 +343,27 @@ impl<R: Read> VerifyingReader<R> {
         }
     }
 
+    /// The inner reader, without reading the rest or checking anything (the stream was
+    /// refused already).
+    pub fn into_inner_unchecked(self) -> R {
+        self.inner
+    }
+
+    /// Like [`VerifyingReader::finish`], but refuses a stream with more than `limit` bytes
+    /// left (data after a layer's tar archive ends, where a decompression bomb could
+    /// hide).
+    pub fn finish_within(mut self, limit: u64) -> Result<R, ImageError> {
+        let left = io::copy(&mut (&mut self).take(limit + 1), &mut io::sink())
+            .map_err(|e| ImageError::BadImage(format!("{} is corrupt: {e}", self.what)))?;
+        if left > limit {
+            return Err(ImageError::BadImage(format!(
+                "{} has more than {limit} bytes after the end of its tar archive",
+                self.what
+            )));
+        }
+        self.finish()
+    }
+
     /// Reads to EOF, then checks digest and size. Returns the inner reader.
     pub fn finish(mut self) -> Result<R, ImageError> {
         io::copy(&mut self, &mut io::sink()).map_err(|e| match e.kind() {

@@ -337,19 +337,29 @@ impl ImageStore {
                 what.clone(),
             );
             let uncompressed = format!("{what} (uncompressed)");
+            // A tampered blob is reported as such, not as the tar error it caused. After a
+            // refused layer only the compressed blob (bounded by its descriptor's size) is
+            // read to its end, never the rest of a decompression bomb.
             match layout::layer_compression(&layer.media_type)? {
                 Compression::None => {
                     let mut tar = VerifyingReader::new(blob, diff_id, None, uncompressed);
                     let applied = unpacker.apply_layer(&mut tar, &what);
-                    // A tampered blob is reported as such, not as the tar error it caused.
-                    let verified = tar.finish().and_then(VerifyingReader::finish);
+                    let verified = match &applied {
+                        Ok(()) => tar.finish().and_then(VerifyingReader::finish),
+                        Err(_) => tar.into_inner_unchecked().finish(),
+                    };
                     prefer_digest_error(applied, verified.map(drop))?;
                 }
                 Compression::Gzip => {
                     let gz = flate2::read::MultiGzDecoder::new(blob);
                     let mut tar = VerifyingReader::new(gz, diff_id, None, uncompressed);
                     let applied = unpacker.apply_layer(&mut tar, &what);
-                    let verified = tar.finish().and_then(|gz| gz.into_inner().finish());
+                    let verified = match &applied {
+                        Ok(()) => tar
+                            .finish_within(TRAILING_LIMIT)
+                            .and_then(|gz| gz.into_inner().finish()),
+                        Err(_) => tar.into_inner_unchecked().into_inner().finish(),
+                    };
                     prefer_digest_error(applied, verified.map(drop))?;
                 }
             }
@@ -383,6 +393,10 @@ impl ImageStore {
         Ok(())
     }
 }
+
+/// Bytes a decompressed layer may hold after its tar archive ends (tar pads to 10 KiB
+/// records; writers add at most a little more).
+const TRAILING_LIMIT: u64 = 1 << 20;
 
 fn elapsed_ms(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)

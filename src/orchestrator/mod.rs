@@ -582,8 +582,8 @@ impl Orchestrator {
     }
 
     /// Graceful shutdown (CE §9.1): refuse new work, pause every running sandbox (stop
-    /// reason `shutdown`; one whose pause fails is deleted), give pending stop retries a
-    /// final attempt, release the network.
+    /// reason `shutdown`; one whose pause fails is kept, never deleted), give pending stop
+    /// retries a final attempt, release the network.
     ///
     /// Bounded by `[server] shutdown_timeout_secs`: returns `false` when that ran out
     /// (the caller exits with status 1; the VMs die with the process and their journal
@@ -620,9 +620,10 @@ fn shutdown_all(shared: &Arc<Shared>) {
             .map(|id| {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
+                    // A sandbox that could not be paused is never deleted: its VM ends
+                    // with the server, and what is stored of it stays.
                     if let Err(e) = operations::pause(&shared, &id, StopReason::Shutdown) {
-                        log::error!("sandboxId={id} op=shutdown_pause error=\"{e}\"");
-                        let _ = delete(&shared, &id, StopReason::Shutdown);
+                        log::error!("sandboxId={id} op=shutdown_pause result=kept error=\"{e}\"");
                     }
                 })
             })

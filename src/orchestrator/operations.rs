@@ -86,12 +86,11 @@ pub(crate) fn boot_fresh(
     failed_reason: StopReason,
     memory_file: Option<PathBuf>,
 ) -> Result<Booted, OrchError> {
-    vm::create_overlay(
-        &image.base_disk,
-        &run_dir.path().join("disk.qcow2"),
-        spec.disk_size_mb,
-    )
-    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    // Named relative to the sandbox's directory, so a moved state dir keeps its chains.
+    let base = crate::util::relative_path(run_dir.path(), &image.base_disk)
+        .unwrap_or_else(|| image.base_disk.clone());
+    vm::create_overlay(&base, &run_dir.path().join("disk.qcow2"), spec.disk_size_mb)
+        .map_err(|e| OrchError::Internal(e.to_string()))?;
     let slot = acquire_slot(shared, spec.internet_access)?;
     let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
     let mut kernel_args = guest_kernel_args(shared);
@@ -223,7 +222,7 @@ pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(),
         records::save(
             &record_dir,
             &SandboxRecord {
-                info: paused_info,
+                info: paused_info.clone(),
                 paused: Some(capture.clone()),
             },
         )
@@ -253,6 +252,20 @@ pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(),
             );
             Ok(())
         }
+        PauseOutcome::Uncommitted(capture, e) => {
+            // Never thrown away: resumable from memory now; a restart finds the capture
+            // under a record that still says running and quarantines it.
+            *entry.runtime.lock() = None;
+            *entry.paused.lock() = Some(*capture);
+            entry.set_state(SandboxState::Paused);
+            log::error!(
+                "sandboxId={id} op=pause result=paused_uncommitted reason={reason} error=\"{e}\""
+            );
+            Err(OrchError::Internal(format!(
+                "sandbox {id} is paused, but its record could not be saved ({e}); it can be \
+                 resumed, but a server restart would not bring it back as paused"
+            )))
+        }
         PauseOutcome::RanOn(e) => {
             entry.set_state(SandboxState::Running);
             Err(e)
@@ -269,8 +282,7 @@ pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(),
 
 /// The capture a just-committed record holds.
 fn records_capture(dir: &std::path::Path) -> Option<CaptureRecord> {
-    let text = std::fs::read(dir.join(records::RECORD_FILE)).ok()?;
-    serde_json::from_slice::<SandboxRecord>(&text).ok()?.paused
+    records::read(dir).ok()?.paused
 }
 
 /// Resume or connect (CE §5.5). A running sandbox only gets its expiry changed.
@@ -313,10 +325,17 @@ pub(crate) fn resume(
             let dir = shared.sandboxes_dir().join(id);
             *entry.runtime.lock() = Some(runtime);
             *entry.paused.lock() = None;
-            if let Err(e) = save_running(&dir, &info) {
-                log::error!("sandboxId={id} op=resume record_error=\"{e}\"");
+            // The paused capture goes only once the running record replaced it: until
+            // then it is what a restart finds (a consistent capture, since the guest now
+            // writes to a new top layer).
+            match save_running(&dir, &info) {
+                Ok(()) => {
+                    let _ = std::fs::remove_dir_all(dir.join(PAUSED_DIR));
+                }
+                Err(e) => {
+                    log::error!("sandboxId={id} op=resume record_error=\"{e}\" result=capture_kept")
+                }
             }
-            let _ = std::fs::remove_dir_all(dir.join(PAUSED_DIR));
             log::info!(
                 "sandboxId={id} op=resume result=ok ms={}",
                 started.elapsed().as_millis()
@@ -476,7 +495,7 @@ fn capture_running(
             log::error!("sandboxId={id} op=snapshot result=removed error=\"{e}\"");
             Err(e)
         }
-        Ok(Err(PauseOutcome::Paused)) | Err(_) => {
+        Ok(Err(PauseOutcome::Paused | PauseOutcome::Uncommitted(..))) | Err(_) => {
             Err(OrchError::Internal("the sandbox's VM is gone".into()))
         }
     }

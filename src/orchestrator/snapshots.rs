@@ -44,6 +44,9 @@ pub struct SnapshotRecord {
     /// Present for templates built from an image (`POST /templates`).
     #[serde(default)]
     pub template: Option<TemplateSource>,
+    /// The stored format ([`super::records::RECORD_SCHEMA`]); absent (1) in older records.
+    #[serde(default = "super::records::schema_v1")]
+    pub schema: u32,
 }
 
 /// What a template was built from.
@@ -81,6 +84,7 @@ impl SnapshotRecord {
             last_spawned_at: None,
             spawn_count: 0,
             template: None,
+            schema: super::records::RECORD_SCHEMA,
         }
     }
 }
@@ -121,28 +125,34 @@ pub fn valid_name(name: &str) -> bool {
 }
 
 impl Snapshots {
-    /// Loads every complete snapshot under `dir`; leftovers of interrupted captures (no
-    /// record) are removed.
+    /// Loads every complete snapshot under `dir`. Leftovers of interrupted captures (no
+    /// record: it is written last) are removed; unreadable records, records of a newer
+    /// schema and records whose state file is missing are moved to
+    /// `<state_dir>/quarantine/`, never removed.
     pub fn load(dir: PathBuf) -> Snapshots {
         let mut by_id = BTreeMap::new();
         let mut names = HashMap::new();
+        let state_dir = dir.parent().unwrap_or(Path::new("/")).to_path_buf();
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 let path = entry.path();
-                let record = std::fs::read(path.join(RECORD_FILE))
-                    .ok()
-                    .and_then(|t| serde_json::from_slice::<SnapshotRecord>(&t).ok())
-                    .filter(|r| r.capture.state_file.is_file());
-                match record {
-                    Some(r) => {
+                if !path.join(RECORD_FILE).exists() {
+                    log::info!(
+                        "op=recover snapshot_dir={} result=removed reason=\"no record: an interrupted capture\"",
+                        path.display()
+                    );
+                    remove_dir(&path);
+                    continue;
+                }
+                match read_record(&path, &state_dir) {
+                    Ok(r) => {
                         if let Some(n) = &r.name {
                             names.insert(n.clone(), r.id.clone());
                         }
                         by_id.insert(r.id.clone(), r);
                     }
-                    None => {
-                        log::info!("op=recover snapshot_dir={} result=removed", path.display());
-                        let _ = std::fs::remove_dir_all(&path);
+                    Err(why) => {
+                        crate::store::quarantine(&state_dir, &path, &why);
                     }
                 }
             }
@@ -197,7 +207,13 @@ impl Snapshots {
     }
 
     fn save(&self, record: &SnapshotRecord) -> Result<(), OrchError> {
-        let bytes = serde_json::to_vec_pretty(record)
+        let state_dir = self.dir.parent().unwrap_or(Path::new("/"));
+        let stored = SnapshotRecord {
+            schema: super::records::RECORD_SCHEMA,
+            capture: super::records::relative_capture(&record.capture, state_dir),
+            ..record.clone()
+        };
+        let bytes = serde_json::to_vec_pretty(&stored)
             .map_err(|e| OrchError::Internal(format!("cannot encode snapshot record: {e}")))?;
         crate::store::write_atomic(&self.dir(&record.id).join(RECORD_FILE), &bytes, 0o600)
             .map_err(|e| OrchError::Internal(e.to_string()))
@@ -246,6 +262,28 @@ impl Snapshots {
         remove_dir(&self.dir(&record.id));
         true
     }
+}
+
+/// A snapshot's record with its paths made absolute, or why it cannot be used.
+fn read_record(dir: &Path, state_dir: &Path) -> Result<SnapshotRecord, String> {
+    let text = std::fs::read(dir.join(RECORD_FILE)).map_err(|e| format!("no record: {e}"))?;
+    let mut r: SnapshotRecord =
+        serde_json::from_slice(&text).map_err(|e| format!("unreadable record: {e}"))?;
+    if r.schema > super::records::RECORD_SCHEMA {
+        return Err(format!(
+            "record schema {} is newer than this agentenv's {}",
+            r.schema,
+            super::records::RECORD_SCHEMA
+        ));
+    }
+    r.capture = super::records::absolute_capture(&r.capture, state_dir);
+    if !r.capture.state_file.is_file() {
+        return Err(format!(
+            "its state file {} is missing",
+            r.capture.state_file.display()
+        ));
+    }
+    Ok(r)
 }
 
 fn remove_dir(dir: &Path) {

@@ -108,10 +108,21 @@ pub(crate) enum PauseOutcome {
     /// The VM could not run on: it was torn down (stop hook, slot released, files
     /// removed). The sandbox must be removed.
     Gone(OrchError),
+    /// Captured and stopped, but the record could not be committed (retried): the
+    /// capture is kept in place and the sandbox can be resumed from it.
+    Uncommitted(Box<CaptureRecord>, OrchError),
 }
 
-/// Commits a pause durably (the paused record) before the stop hook is sent.
-pub(crate) type PauseCommit = Box<dyn FnOnce(&CaptureRecord) -> Result<(), OrchError> + Send>;
+/// Commits a pause durably (the paused record) before the stop hook is sent. Called again
+/// when it fails.
+pub(crate) type PauseCommit = Box<dyn Fn(&CaptureRecord) -> Result<(), OrchError> + Send>;
+
+/// Waits before each new attempt at a failed pause commit.
+const COMMIT_RETRY_DELAYS: [Duration; 3] = [
+    Duration::from_millis(100),
+    Duration::from_millis(500),
+    Duration::from_millis(2000),
+];
 
 /// Starts a named thread running the closure (a seam: tests make it fail).
 pub(crate) type ThreadSpawner = fn(String, Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
@@ -419,17 +430,22 @@ fn pause(
                 stats.total_ms,
                 stats.state_bytes
             );
-            match commit(&record) {
-                Ok(()) => {
-                    runtime.run_dir.keep();
-                    runtime.teardown(shared, reason);
-                    (None, PauseOutcome::Paused)
-                }
-                Err(e) => {
-                    runtime.run_dir.arm();
-                    runtime.teardown(shared, StopReason::Failure);
-                    (None, PauseOutcome::Gone(e))
-                }
+            let mut committed = commit(&record);
+            for delay in COMMIT_RETRY_DELAYS {
+                let Err(e) = &committed else { break };
+                log::warn!(
+                    "sandboxId={id} op=pause_commit error=\"{e}\" retry_in_ms={}",
+                    delay.as_millis()
+                );
+                std::thread::sleep(delay);
+                committed = commit(&record);
+            }
+            // The VM has quit and its capture is complete either way: it is kept.
+            runtime.run_dir.keep();
+            runtime.teardown(shared, reason);
+            match committed {
+                Ok(()) => (None, PauseOutcome::Paused),
+                Err(e) => (None, PauseOutcome::Uncommitted(Box::new(record), e)),
             }
         }
         Err(e) => {

@@ -79,6 +79,49 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StoreError> {
         })
 }
 
+/// Moves `path` (a record's directory or file that could not be used) to
+/// `<state_dir>/quarantine/` with a log line saying `why`, and a `<name>.reason` file next
+/// to it. Nothing is deleted: an operator can inspect it, move it back, or remove it.
+/// Returns where it went; `None` when even the move failed (it is then left in place).
+pub fn quarantine(state_dir: &Path, path: &Path, why: &str) -> Option<PathBuf> {
+    let dir = state_dir.join("quarantine");
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let kind = path
+        .parent()
+        .and_then(Path::file_name)
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let dest = dir.join(format!("{kind}-{name}-{}", crate::util::new_id()));
+    let moved = ensure_private_dir(&dir)
+        .map_err(|e| e.to_string())
+        .and_then(|()| fs::rename(path, &dest).map_err(|e| e.to_string()));
+    match moved {
+        Ok(()) => {
+            let _ = write_atomic(
+                &dest.with_extension("reason"),
+                format!("{}: {why}\n", path.display()).as_bytes(),
+                0o600,
+            );
+            log::error!(
+                "op=recover path={} result=quarantined to={} reason=\"{why}\"",
+                path.display(),
+                dest.display()
+            );
+            Some(dest)
+        }
+        Err(e) => {
+            log::error!(
+                "op=recover path={} result=kept reason=\"{why}\" quarantine_error=\"{e}\"",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
 /// Makes `root` and every directory under it 0700 and takes group and other bits off
 /// every file (symlinks are neither followed nor changed), so an older or hand-made state
 /// dir is as private as a new one. Files under `keep_files_under` (the VM assets, which

@@ -103,6 +103,23 @@ pub struct CaptureRecord {
     pub disk_frozen: bool,
 }
 
+impl CaptureRecord {
+    /// The record with every file path passed through `f` (the orchestrator stores paths
+    /// relative to its state dir).
+    pub fn map_paths(&self, f: impl Fn(&Path) -> PathBuf) -> CaptureRecord {
+        CaptureRecord {
+            kernel: f(&self.kernel),
+            initramfs: f(&self.initramfs),
+            state_file: f(&self.state_file),
+            memory_file: self.memory_file.as_deref().map(&f),
+            disk: f(&self.disk),
+            disk_layers: self.disk_layers.iter().map(|p| f(p)).collect(),
+            disk_base: self.disk_base.as_deref().map(&f),
+            ..self.clone()
+        }
+    }
+}
+
 /// Where the time of a capture went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -38,9 +38,11 @@ const QCOW2_MAGIC: &[u8; 4] = b"QFI\xfb";
 const MAX_BACKING_NAME: u32 = 1023;
 
 /// Creates `overlay` (qcow2, `size_mb` MiB virtual size) backed by the raw image `base`.
-/// `base` is recorded as given: pass an absolute path so the overlay opens from anywhere.
+/// `base` is recorded as given: absolute, or relative to the overlay's directory (QEMU
+/// resolves it so), which keeps working when the whole state dir moves.
 pub fn create_overlay(base: &Path, overlay: &Path, size_mb: u32) -> Result<(), VmError> {
-    if !base.is_file() {
+    let resolved = overlay.parent().unwrap_or(Path::new(".")).join(base);
+    if !resolved.is_file() {
         return Err(VmError::MissingAsset {
             what: "base disk image",
             path: base.to_path_buf(),
@@ -146,6 +148,11 @@ pub fn disk_chain(top: &Path) -> Result<DiskChain, VmError> {
         let name = PathBuf::from(name);
         if name.is_absolute() {
             base = Some(name);
+            break;
+        }
+        // A relative path with directories reaches the raw base image in the image store.
+        if name.components().count() > 1 {
+            base = Some(dir.join(&name));
             break;
         }
         if name.components().count() != 1 {
