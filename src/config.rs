@@ -55,6 +55,19 @@ pub struct Config {
     pub api: ApiConfig,
     pub custom_extension: CustomExtensionConfig,
     pub templates: TemplatesConfig,
+    pub admission: AdmissionConfig,
+}
+
+/// `[admission]`: bounds on the memory and vCPUs of all running VMs together.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// 0 = host RAM minus `reserved_memory_mb`.
+    pub max_memory_mb: u64,
+    pub reserved_memory_mb: u64,
+    /// 0 = `vcpu_overcommit` × host CPUs.
+    pub max_vcpus: u64,
+    pub vcpu_overcommit: u32,
 }
 
 /// `[templates]`: builds of templates from images (api.md §4.15).

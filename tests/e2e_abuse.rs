@@ -33,11 +33,33 @@ fn hostile_clients_cannot_crash_wedge_or_starve_the_server() {
     );
     drop(s);
     // Without AENV_TEST_FAULTS the fault header does nothing.
-    let s = Server::start("");
+    let mut s = Server::configure_full(
+        &scratch_dir(),
+        &[],
+        "",
+        "[admission]\nmax_memory_mb = 200\n",
+    );
+    s.spawn();
     let (code, _) = s.raw(&format!(
         "GET /sandboxes HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nX-Aenv-Test-Fault: panic\r\nConnection: close\r\n\r\n"
     ));
     assert_eq!(code, 200);
+    admission_control(&s);
+}
+
+/// `[admission] max_memory_mb = 200`: a 256 MiB sandbox is refused with 429 naming memory,
+/// before any VM starts; nothing is left behind.
+fn admission_control(s: &Server) {
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes-cold",
+        Some(serde_json::json!({"image": base_image(), "memoryMB": 256})),
+    );
+    assert_eq!(code, 429, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("memory"), "{v}");
+    let (code, v) = s.call("GET", "/sandboxes", None);
+    assert_eq!((code, v), (200, serde_json::json!([])));
+    assert!(qemu_processes_with(s.state_dir.to_str().unwrap()).is_empty());
 }
 
 fn addr(s: &Server) -> String {

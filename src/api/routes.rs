@@ -8,6 +8,9 @@ use serde_json::{json, Value};
 use std::io::Read;
 use tiny_http::{Method, Request};
 
+/// Largest root disk a create may ask for (256 GiB).
+const MAX_DISK_SIZE_MB: u64 = 262_144;
+
 /// Longest timeout a sandbox may have, in seconds (one year).
 const MAX_TIMEOUT_SECS: u64 = 31_536_000;
 /// A connect without `timeout` (the E2B SDKs send `{}`): E2B's default (api.md §4.10).
@@ -236,8 +239,13 @@ fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiEr
     let f = body(ctx, req)?;
     let template = f.required_str("templateID")?.to_string();
     let common = create_fields(ctx, &f)?;
-    let cpu_count = f.int_in("cpuCount", 1..=u32::MAX as u64)?.map(|v| v as u32);
-    let memory_mb = f.int_in("memoryMB", 1..=u32::MAX as u64)?.map(|v| v as u32);
+    let host = ctx.orchestrator.host_limits();
+    let cpu_count = f
+        .int_in("cpuCount", 1..=host.cpus as u64)?
+        .map(|v| v as u32);
+    let memory_mb = f
+        .int_in("memoryMB", 1..=host.memory_mb.max(128))?
+        .map(|v| v as u32);
     let params = params_field(&f)?;
     let info = ctx.orchestrator.create_from_snapshot(FromSnapshot {
         template,
@@ -264,7 +272,7 @@ fn resources(ctx: &Context, f: &Fields) -> Result<(u32, u32, u32), ApiError> {
         .int_in("memoryMB", 128..=host.memory_mb.max(128))?
         .unwrap_or(cfg.vm.default_memory_mb as u64) as u32;
     let disk_size_mb = f
-        .int_in("diskSizeMB", 1024..=u32::MAX as u64)?
+        .int_in("diskSizeMB", 1024..=MAX_DISK_SIZE_MB)?
         .unwrap_or(cfg.vm.default_disk_size_mb as u64);
     if !disk_size_mb.is_multiple_of(1024) {
         return Err(ApiError::bad_request(

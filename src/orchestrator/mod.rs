@@ -6,6 +6,7 @@
 //! lifecycle operations and run concurrently. No global lock is held across a VM
 //! operation, an image build or a slot allocation.
 
+mod admission;
 mod envd;
 mod error;
 mod expiry;
@@ -110,6 +111,8 @@ pub(crate) struct Shared {
     pub shutting_down: AtomicBool,
     /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
     pub gone: envd::GoneTokens,
+    /// Memory and vCPUs of running VMs, bounded (`[admission]`).
+    pub admission: Arc<admission::Admission>,
 }
 
 impl Shared {
@@ -173,7 +176,13 @@ impl Orchestrator {
                 log::warn!("op=recover path={} error={e}", build_dirs.display());
             }
         }
+        let admission = admission::Admission::new(admission::Limits::from_config(
+            &config.admission,
+            crate::sys::fs::total_memory_mb(),
+            crate::sys::fs::online_cpus(),
+        ));
         let shared = Arc::new(Shared {
+            admission,
             config,
             slots,
             hooks,

@@ -192,10 +192,21 @@ pub(crate) fn start(
     shared: &Arc<Shared>,
     plan: StartPlan,
 ) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
+    // The VM's memory and vCPUs are held by its supervisor thread for the VM's life.
+    let reservation = match shared.admission.reserve(plan.memory_mb, plan.cpu_count) {
+        Ok(r) => r,
+        Err(e) => {
+            let debts: &dyn StartDebts = &**shared;
+            debts.stop(plan.instance, StopReason::StartFailed);
+            debts.release(plan.slot);
+            return Err(e);
+        }
+    };
     let (launch_tx, launch_rx) = crossbeam_channel::bounded(1);
     let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
     let thread_shared = shared.clone();
     spawn_supervisor(plan, spawn_thread, &**shared, move |plan| {
+        let _reservation = reservation;
         supervise(thread_shared, plan, launch_tx, ops_rx)
     })?;
     let wait = Duration::from_secs(shared.config.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;

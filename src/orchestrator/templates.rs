@@ -12,9 +12,10 @@ use super::supervisor::{PauseOutcome, RunDir};
 use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
 use crate::hooks::StopReason;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -72,12 +73,19 @@ pub struct TemplateBuild {
     pub updated_at: SystemTime,
 }
 
-/// The builds and the slots for running ones.
+/// The builds, and the queue of waiting ones. Waiting builds hold no thread: at most
+/// `[templates] max_concurrent_builds` build threads exist, each taking the next waiting
+/// build when it finishes one.
 pub(crate) struct Builds {
     dir: PathBuf,
     builds: Mutex<BTreeMap<String, TemplateBuild>>,
-    running: Mutex<u32>,
-    slot_free: Condvar,
+    queue: Mutex<BuildQueue>,
+}
+
+#[derive(Default)]
+struct BuildQueue {
+    waiting: VecDeque<(String, TemplateRequest)>,
+    threads: usize,
 }
 
 impl Builds {
@@ -104,8 +112,7 @@ impl Builds {
         Builds {
             dir,
             builds: Mutex::new(builds),
-            running: Mutex::new(0),
-            slot_free: Condvar::new(),
+            queue: Mutex::new(BuildQueue::default()),
         }
     }
 
@@ -185,29 +192,47 @@ pub(crate) fn submit(
         .builds
         .lock()
         .insert(id.clone(), build.clone());
-    let thread_shared = shared.clone();
-    std::thread::Builder::new()
-        .name(format!("tpl-{}", &id[id.len() - 8..]))
-        .spawn(move || run_build(&thread_shared, &id, req))
-        .map_err(|e| OrchError::Internal(format!("cannot start the build thread: {e}")))?;
+    let mut queue = shared.builds.queue.lock();
+    queue.waiting.push_back((id.clone(), req));
+    if queue.threads < shared.config.templates.max_concurrent_builds as usize {
+        let thread_shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("tpl-{}", &id[id.len() - 8..]))
+            .spawn(move || run_builds(&thread_shared));
+        match spawned {
+            Ok(_) => queue.threads += 1,
+            // A running build thread takes it later; with none, it stays waiting and
+            // the next submit starts a thread.
+            Err(e) => log::warn!(
+                "templateId={id} op=template_build error=\"cannot start a build thread: {e}\""
+            ),
+        }
+    }
     Ok(build)
+}
+
+/// A build thread: builds waiting templates one after another until none waits.
+fn run_builds(shared: &Arc<Shared>) {
+    loop {
+        let next = {
+            let mut queue = shared.builds.queue.lock();
+            let next = queue.waiting.pop_front();
+            if next.is_none() {
+                queue.threads -= 1;
+            }
+            next
+        };
+        let Some((id, req)) = next else {
+            return;
+        };
+        run_build(shared, &id, req);
+    }
 }
 
 fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
     let builds = &shared.builds;
-    {
-        let mut running = builds.running.lock();
-        while *running >= shared.config.templates.max_concurrent_builds {
-            builds.slot_free.wait(&mut running);
-        }
-        *running += 1;
-    }
     builds.update(id, BuildStatus::Building, None);
     let result = build(shared, id, &req);
-    {
-        *builds.running.lock() -= 1;
-        builds.slot_free.notify_one();
-    }
     match result {
         Ok(()) => {
             builds.update(id, BuildStatus::Ready, None);
