@@ -38,7 +38,9 @@ The server: --url, else AENV_URL, else the local config's listen address.
 The key: --api-key, else AENV_API_KEY, else the local config's key or <state_dir>/api-key.
 Exit codes: 0 ok, 1 local file error, 2 usage, 3 server unreachable, 4 not found,
 5 wrong state (409), 6 no or wrong API key, 7 request refused (other 4xx),
-8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code.";
+8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code.
+
+The server itself: agentenv serve [--config PATH]; agentenv --version; docs/operations.md.";
 
 /// Runs one CLI invocation (`args` without the program name) and returns the exit code.
 pub fn run(args: Vec<String>) -> u8 {
