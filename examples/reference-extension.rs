@@ -28,7 +28,7 @@
 //!   reach its own agent. Absent = no port restriction.
 //! - `firewall.denyCidrs`: IPv4 networks the guest may never reach (useful when the
 //!   operator turned `[network] outbound` on).
-//! - `bootArgs`: returned as `extraBootArgs` by start-fresh (fresh boots only, CE §11).
+//! - `bootArgs`: returned as `extraBootArgs` by start-fresh (fresh boots only, custom-extension.md §11).
 //! - `vpn`: stored and echoed back, and its peer count logged. This reference extension does
 //!   **not** create tunnels; a real one would configure WireGuard in the namespace here.
 //!
@@ -128,7 +128,7 @@ struct Instance {
     network_namespace_path: String,
     /// Identity of the namespace behind the path when the start hook arrived (device and
     /// inode of the nsfs file). A late stop only touches the namespace if it is still the
-    /// same one: the path may have been recycled for another slot by then (CE §12).
+    /// same one: the path may have been recycled for another slot by then (custom-extension.md §12).
     netns_dev: u64,
     netns_ino: u64,
     host_interaction_ip: String,
@@ -426,7 +426,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Reply> {
 
 impl Extension {
     // One lock over the whole hook, nft included: hooks are applied in arrival order, so
-    // overlapping patch-params calls of one sandbox cannot interleave (CE §6.5). Each hook
+    // overlapping patch-params calls of one sandbox cannot interleave (custom-extension.md §6.5). Each hook
     // is a few milliseconds of work, well inside agentenv's timeout_ms.
 
     fn start(&self, body: &[u8], fresh: bool) -> Reply {
@@ -469,7 +469,7 @@ impl Extension {
             params: params.clone(),
         };
         // Record the instance before touching the namespace: if what follows fails,
-        // agentenv still sends stop for this pair (CE §7.3), and that stop cleans up.
+        // agentenv still sends stop for this pair (custom-extension.md §7.3), and that stop cleans up.
         let previous = store
             .state
             .instances
@@ -497,7 +497,7 @@ impl Extension {
             firewall.summary(),
             vpn_summary(&params)
         );
-        // extraBootArgs is read from start-fresh only (CE §3.1); start-resume ignores bodies.
+        // extraBootArgs is read from start-fresh only (custom-extension.md §3.1); start-resume ignores bodies.
         match (fresh, boot_args) {
             (true, Some(args)) => Reply::ok(json!({ "extraBootArgs": args }), note),
             _ => Reply::ok(json!({}), note),
@@ -553,7 +553,7 @@ impl Extension {
             Err(reply) => return reply,
         };
         let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        // Fence on the pair (CE §4.8): a stop for anything but the latest started
+        // Fence on the pair (custom-extension.md §4.8): a stop for anything but the latest started
         // instance, or a repeated stop, is answered 2xx and changes nothing.
         let latest = store.state.instances.get(&req.sandbox_id);
         let Some(instance) = latest.filter(|i| i.sandbox_instance_id == req.sandbox_instance_id)
@@ -567,7 +567,7 @@ impl Extension {
         let path = instance.network_namespace_path.clone();
         let same_namespace =
             netns_identity(&path).is_ok_and(|id| id == (instance.netns_dev, instance.netns_ino));
-        // A retried stop can arrive after the slot went to another sandbox (CE §3.4).
+        // A retried stop can arrive after the slot went to another sandbox (custom-extension.md §3.4).
         let claimed_by_other = store.state.instances.iter().any(|(id, other)| {
             *id != req.sandbox_id
                 && (other.netns_dev, other.netns_ino) == (instance.netns_dev, instance.netns_ino)

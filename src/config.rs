@@ -113,7 +113,7 @@ impl fmt::Display for Source {
 }
 
 impl CustomExtensionConfig {
-    /// The normalised base URL (CE §1.4), or `None` when the extension is disabled.
+    /// The normalised base URL (custom-extension.md §1.4), or `None` when the extension is disabled.
     pub fn base_url(&self) -> Option<String> {
         let url = self.url.as_deref()?.trim();
         let url = url.trim_end_matches('/');
@@ -174,7 +174,7 @@ fn check_state_dir(dir: &std::path::Path) -> Result<(), String> {
     }
 }
 
-/// CE §1.5: http or https, a host, no query, fragment or user credentials.
+/// custom-extension.md §1.5: http or https, a host, no query, fragment or user credentials.
 fn check_extension_url(url: &str) -> Result<(), &'static str> {
     let (scheme, rest) = url
         .split_once("://")
@@ -449,7 +449,7 @@ impl Config {
                 "AENV_LISTEN_ADDR" if !v.is_empty() => self.server.listen = v.clone(),
                 "AENV_API_KEY" if !v.is_empty() => self.server.api_key = Some(v.clone()),
                 "AENV_STATE_DIR" if !v.is_empty() => self.server.state_dir = PathBuf::from(v),
-                // Set but blank still wins: it disables the extension (CE §1.3).
+                // Set but blank still wins: it disables the extension (custom-extension.md §1.3).
                 "AENV_CUSTOM_EXTENSION_URL" => {
                     self.custom_extension.url = Some(v.clone());
                     self.custom_extension.url_source = Source::Environment;

@@ -1,4 +1,4 @@
-//! Host requirements checked at startup (operations.md): each missing one is reported on
+//! Host requirements checked at startup (docs/operations.md §2): each missing one is reported on
 //! one line that names it and how to fix it.
 
 use crate::config::Config;

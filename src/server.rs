@@ -76,7 +76,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     }
     let hooks = HookClient::start(&config.custom_extension, state_dir.join("journal"))?;
     // Slots recorded for open instances stay until their recovery stop's first attempt,
-    // so the extension can still enter the namespace (network.md §6.3, CE §9.3).
+    // so the extension can still enter the namespace (network.md §6.3, custom-extension.md §9.3).
     let kept = hooks.recovering_slots();
     let slots = SlotManager::start(&config.network, &kept)?;
     hooks.recover();
@@ -135,7 +135,7 @@ fn lock_host() -> Result<sys::fs::LockFile, StartupError> {
     }
 }
 
-/// No VM outlives the server (CE §9.3): QEMU processes are bound to their supervisor
+/// No VM outlives the server (custom-extension.md §9.3): QEMU processes are bound to their supervisor
 /// thread, and any process still running from an earlier run of this state dir is killed.
 fn kill_leftover_vms(state_dir: &Path) {
     let marker = state_dir.display().to_string();
@@ -164,7 +164,7 @@ fn kill_leftover_vms(state_dir: &Path) {
 }
 
 /// Reclaims the slots kept for recovery stops once their first attempts are done, in the
-/// background: the API serves meanwhile (CE §9.4).
+/// background: the API serves meanwhile (custom-extension.md §9.4).
 fn reclaim_after_recovery(hooks: Arc<HookClient>, slots: Arc<SlotManager>, kept: Vec<u32>) {
     if kept.is_empty() {
         return;

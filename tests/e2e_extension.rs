@@ -51,7 +51,7 @@ fn message(v: &Value) -> &str {
 // Test 1: an extension that refuses connections.
 // ---------------------------------------------------------------------------------------
 
-/// CE §7.1, §7.3: a refused connection fails start-fresh with 502; the stop for the same
+/// custom-extension.md §7.1, §7.3: a refused connection fails start-fresh with 502; the stop for the same
 /// pair is still attempted before the answer, and nothing remains.
 #[test]
 fn refused_extension_fails_create_and_leaves_nothing() {
@@ -149,7 +149,7 @@ fn extension_contract_through_the_server() {
     assert_eq!(metric(&server, "agentenv_hook_open_instances"), 0);
 
     let (s1, s3) = boot_two(&server, &ext, &seen);
-    // CE §11.2 step 4 counts the guest's complete command line.
+    // custom-extension.md §11.2 step 4 counts the guest's complete command line.
     let v = server.exec(&s3.id, "cat", &["/proc/cmdline"]);
     let base = v["stdout"].as_str().unwrap().trim_end_matches('\n').len();
     assert_eq!(
@@ -187,7 +187,7 @@ fn extension_contract_through_the_server() {
 
     crash_then_recovery_stop(&mut server, &ext, &seen, &s3);
 
-    // Every attempt had its own request id (CE §2.2).
+    // Every attempt had its own request id (custom-extension.md §2.2).
     let all = ext.requests();
     let ids: HashSet<&str> = all
         .iter()
@@ -205,7 +205,7 @@ fn extension_contract_through_the_server() {
     }
     shutdown_stops(&mut server, &ext, &seen);
     // Each slot was released only after its stop had removed the extension's marker, so
-    // none was found not clean (network.md §4.2, CE §3.4).
+    // none was found not clean (network.md §4.2, custom-extension.md §3.4).
     let log = server.log();
     assert!(log.contains("op=release outcome=pooled"), "{log}");
     assert!(
@@ -226,7 +226,7 @@ fn extension_contract_through_the_server() {
 const STOP_HOLD: Duration = Duration::from_millis(300);
 
 /// The link the observer adds inside a start hook's namespace (a veth pair, both ends
-/// inside) and removes on its stop, as a real extension would (CE §12).
+/// inside) and removes on its stop, as a real extension would (custom-extension.md §12).
 const MARKER_LINK: &str = "xt0";
 
 /// What the observer saw for each request (by `seq`): for a start hook, whether its
@@ -334,7 +334,7 @@ fn is_uuid_v7(s: &str) -> bool {
     is_uuid(s) && s.as_bytes()[14] == b'7' && b"89ab".contains(&s.as_bytes()[19])
 }
 
-/// CE §2.1, §2.2: method, path (with the configured prefix), headers.
+/// custom-extension.md §2.1, §2.2: method, path (with the configured prefix), headers.
 fn check_request(r: &Recorded, token: Option<&str>, attempt: u32, prefix: &str) {
     assert_eq!(r.method, "POST", "{r:?}");
     assert_eq!(r.path, format!("{prefix}/sandbox-hook/{}", r.hook), "{r:?}");
@@ -373,7 +373,7 @@ fn stops_for(ext: &Extension, instance: &str) -> Vec<Recorded> {
         .collect()
 }
 
-/// CE §3.4: a stop names exactly the start's pair and the reason.
+/// custom-extension.md §3.4: a stop names exactly the start's pair and the reason.
 fn check_stop(stop: &Recorded, start: &Recorded, reason: &str, token: Option<&str>) {
     check_request(stop, token, 1, "/prefix");
     assert_eq!(
@@ -387,7 +387,7 @@ fn check_stop(stop: &Recorded, start: &Recorded, reason: &str, token: Option<&st
     );
 }
 
-/// CE §7.4, §7.5, §7.3: each start-fresh failure gives 502 with the exact message, the stop
+/// custom-extension.md §7.4, §7.5, §7.3: each start-fresh failure gives 502 with the exact message, the stop
 /// for the same pair arrived before the answer while the namespace existed, and nothing
 /// remains. Returns how many creates failed, and the command line length reported for
 /// 2100 bytes of arguments.
@@ -573,7 +573,7 @@ struct Booted {
     start: Recorded,
 }
 
-/// CE §3.1, §11: S1 with params gets extraBootArgs on its kernel command line; S3 with
+/// custom-extension.md §3.1, §11: S1 with params gets extraBootArgs on its kernel command line; S3 with
 /// `null` params gets `{}`. The two boot concurrently.
 fn boot_two(s: &Server, ext: &Extension, seen: &Seen) -> (Booted, Booted) {
     let params = json!({"vpn": {"peers": ["10.8.0.2"]}, "n": 1, "s": "x"});
@@ -648,7 +648,7 @@ fn boot_two(s: &Server, ext: &Extension, seen: &Seen) -> (Booted, Booted) {
         start1.body["networkNamespacePath"],
         start3.body["networkNamespacePath"]
     );
-    // CE §11.3: one space, then the trimmed arguments, at the very end.
+    // custom-extension.md §11.3: one space, then the trimmed arguments, at the very end.
     let v = s.exec(&s1, "cat", &["/proc/cmdline"]);
     let cmdline = v["stdout"].as_str().unwrap().trim_end_matches('\n');
     assert!(cmdline.ends_with(" agentenv.test=1 quiet"), "{cmdline:?}");
@@ -686,7 +686,7 @@ fn params_of(s: &Server, id: &str) -> Value {
     v
 }
 
-/// CE §3.3, §10.11, §7.4: patch-params payload, result, failure matrix, rejections, and
+/// custom-extension.md §3.3, §10.11, §7.4: patch-params payload, result, failure matrix, rejections, and
 /// clearing. Returns (successful, failed) hook attempts.
 fn patch_params(s: &Server, ext: &Extension, sb: &Booted) -> (u64, u64) {
     let id = &sb.id;
@@ -786,7 +786,7 @@ fn patch_params(s: &Server, ext: &Extension, sb: &Booted) -> (u64, u64) {
                 (r, t0.elapsed())
             });
             if name == "timeout" {
-                // CE §10.11: a hanging hook holds no lock that blocks GETs of this sandbox.
+                // custom-extension.md §10.11: a hanging hook holds no lock that blocks GETs of this sandbox.
                 let got = ext.wait_for("patch-params", before + 1, Duration::from_secs(10));
                 assert_eq!(got.len(), before + 1);
                 let t1 = Instant::now();
@@ -830,7 +830,7 @@ fn patch_params(s: &Server, ext: &Extension, sb: &Booted) -> (u64, u64) {
         }
     }
 
-    // Rejected before any hook: unknown sandbox, non-object bodies (CE §10.11 steps 1-2).
+    // Rejected before any hook: unknown sandbox, non-object bodies (custom-extension.md §10.11 steps 1-2).
     let before = ext.requests_for("patch-params").len();
     let unknown = "01936f1e-8a2b-7c3d-9e4f-0a1b2c3d4e5f";
     let (code, _) = s.call(
@@ -852,7 +852,7 @@ fn patch_params(s: &Server, ext: &Extension, sb: &Booted) -> (u64, u64) {
     assert_eq!(ext.requests_for("patch-params").len(), before, "no hook");
     assert_eq!(params_of(s, id), expected);
 
-    // CE §3.3 rules 2, 3, 5: an object replaces, `{}`/absent and null clear.
+    // custom-extension.md §3.3 rules 2, 3, 5: an object replaces, `{}`/absent and null clear.
     let steps = [
         (
             json!({"customExtensionParams": {"z": [1, {"y": null}]}, "unknown": 2}),
@@ -874,7 +874,7 @@ fn patch_params(s: &Server, ext: &Extension, sb: &Booted) -> (u64, u64) {
     (ok, failed)
 }
 
-/// CE §6.4, §5.6, §6.3, §2.9: a DELETE of S1 during an in-flight (slow) PATCH waits for
+/// custom-extension.md §6.4, §5.6, §6.3, §2.9: a DELETE of S1 during an in-flight (slow) PATCH waits for
 /// it, so the stop follows the patch-params answer; DELETE then waits for its (slow) stop,
 /// which runs while the namespace exists; meanwhile a create of B is not held up: B's
 /// start-fresh arrives while S1's stop is still pending. Returns B.
@@ -972,7 +972,7 @@ fn delete_with_slow_stop_and_concurrent_create(
     }
 }
 
-/// CE §5.10: expiry with `autoPause: false` sends stop with reason timeout-kill.
+/// custom-extension.md §5.10: expiry with `autoPause: false` sends stop with reason timeout-kill.
 fn expiry_kills(s: &Server, ext: &Extension, seen: &Seen, b: &Booted) {
     let (code, _) = s.call(
         "POST",
@@ -1002,9 +1002,9 @@ fn expiry_kills(s: &Server, ext: &Extension, seen: &Seen, b: &Booted) {
     .is_empty()));
 }
 
-/// CE §9.3: after SIGKILL, the next start sends stop (reason recovery) for the open
+/// custom-extension.md §9.3: after SIGKILL, the next start sends stop (reason recovery) for the open
 /// instance while its namespace still exists, removes the sandbox, then reclaims the slot.
-/// The restart sets `AENV_CUSTOM_EXTENSION_AUTH_TOKEN` empty: no token is sent (CE §1.3).
+/// The restart sets `AENV_CUSTOM_EXTENSION_AUTH_TOKEN` empty: no token is sent (custom-extension.md §1.3).
 fn crash_then_recovery_stop(server: &mut Server, ext: &Extension, seen: &Seen, sb: &Booted) {
     assert_eq!(qemu_processes_with(&sb.id).len(), 1);
     server.crash();
@@ -1059,9 +1059,9 @@ fn crash_then_recovery_stop(server: &mut Server, ext: &Extension, seen: &Seen, s
     assert_eq!(since.len(), 1, "{since:?}");
 }
 
-/// CE §9.1: a graceful shutdown sends stop (reason shutdown) for a running sandbox before
+/// custom-extension.md §9.1: a graceful shutdown sends stop (reason shutdown) for a running sandbox before
 /// the process exits, and leaves no namespace. The server runs with the token overridden
-/// empty by the environment, so no Authorization header is sent (CE §1.3).
+/// empty by the environment, so no Authorization header is sent (custom-extension.md §1.3).
 fn shutdown_stops(server: &mut Server, ext: &Extension, seen: &Seen) {
     let before = ext.requests().len();
     let v = server.create(json!({"image": base_image(), "timeout": 600}));
@@ -1098,7 +1098,7 @@ fn shutdown_stops(server: &mut Server, ext: &Extension, seen: &Seen) {
 // Test 3: extension disabled at restart, and disabled mode.
 // ---------------------------------------------------------------------------------------
 
-/// CE §9.6, §1.7, §10.2, §10.11: a restart with the extension disabled drops the open
+/// custom-extension.md §9.6, §1.7, §10.2, §10.11: a restart with the extension disabled drops the open
 /// journal entries with a WARN each and sends nothing; then no hook is ever sent, non-empty
 /// params are refused with 400, and PATCH is 400.
 #[test]

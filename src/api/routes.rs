@@ -169,7 +169,7 @@ fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `customExtensionParams` as sent (CE §10.1–10.2): an object, `{}` when absent or
+/// `customExtensionParams` as sent (custom-extension.md §10.1–10.2): an object, `{}` when absent or
 /// `null`; any other type is 422.
 fn params_field(f: &Fields) -> Result<Value, ApiError> {
     match f.raw("customExtensionParams") {
@@ -181,7 +181,7 @@ fn params_field(f: &Fields) -> Result<Value, ApiError> {
     }
 }
 
-/// Params of a cold create: non-empty ones need an extension (CE §10.2).
+/// Params of a cold create: non-empty ones need an extension (custom-extension.md §10.2).
 fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
     let params = params_field(f)?;
     let empty = params.as_object().is_some_and(|m| m.is_empty());

@@ -1,10 +1,10 @@
-//! `extraBootArgs` from a start-fresh response (CE §11.2).
+//! `extraBootArgs` from a start-fresh response (custom-extension.md §11.2).
 
 /// The x86-64 kernel's `COMMAND_LINE_SIZE` (2048) minus its terminating NUL.
 pub const CMDLINE_LIMIT: usize = 2047;
 
 /// Checks `raw` for appending to a kernel command line of `base_cmdline_len` bytes, as one
-/// space followed by the trimmed arguments (CE §11.3).
+/// space followed by the trimmed arguments (custom-extension.md §11.3).
 ///
 /// Returns `Ok(None)` when nothing is left after trimming, `Ok(Some(args))` with the
 /// trimmed arguments, or `Err(why)` with the text that follows `extraBootArgs rejected: `.

@@ -1,9 +1,9 @@
-//! The module's one error type and the causes of CE §7.5.
+//! The module's one error type and the causes of custom-extension.md §7.5.
 
 use super::Hook;
 use std::fmt;
 
-/// Why one hook attempt failed. `Display` is the `<cause>` of CE §7.5.
+/// Why one hook attempt failed. `Display` is the `<cause>` of custom-extension.md §7.5.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cause {
     /// Connect, DNS, TLS or I/O error (never contains the token or the request body).
@@ -12,22 +12,22 @@ pub enum Cause {
     TimedOut { ms: u64 },
     /// A final non-2xx, non-3xx status.
     Status(u16),
-    /// A 3xx status; redirects are never followed (CE §2.4).
+    /// A 3xx status; redirects are never followed (custom-extension.md §2.4).
     Redirect(u16),
-    /// More than 1 MiB of response body, announced or found while reading (CE §2.5).
+    /// More than 1 MiB of response body, announced or found while reading (custom-extension.md §2.5).
     BodyTooLarge,
     /// A body that the hook requires to be a JSON object is not one.
     NotJsonObject,
     /// start-fresh: `extraBootArgs` is neither a string nor null.
     ExtraBootArgsType,
-    /// start-fresh: `extraBootArgs` failed CE §11.2; the text after `rejected: `.
+    /// start-fresh: `extraBootArgs` failed custom-extension.md §11.2; the text after `rejected: `.
     ExtraBootArgsRejected(String),
     /// patch-params: `customExtensionParams` is neither an object nor null.
     ParamsType,
 }
 
 impl Cause {
-    /// Whether a failed stop attempt with this cause is retried (CE §8.3): connection
+    /// Whether a failed stop attempt with this cause is retried (custom-extension.md §8.3): connection
     /// errors, timeouts, 408, 429, 5xx and oversized bodies. Any 3xx and other 4xx are a
     /// definite answer or a misconfiguration and are not.
     pub fn is_retryable(&self) -> bool {
@@ -63,12 +63,12 @@ impl fmt::Display for Cause {
 /// Errors of the hook client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HookError {
-    /// The extension is disabled; the API maps this to 400 (CE §1.7, §10.11).
+    /// The extension is disabled; the API maps this to 400 (custom-extension.md §1.7, §10.11).
     Disabled,
-    /// A hook failed (CE §7): the API maps this to 502.
+    /// A hook failed (custom-extension.md §7): the API maps this to 502.
     Failed { hook: Hook, cause: Cause },
     /// The open-instance journal could not be read or written. For a start, the hook was
-    /// not sent (CE §4.3), so no stop is owed either.
+    /// not sent (custom-extension.md §4.3), so no stop is owed either.
     Journal(String),
 }
 

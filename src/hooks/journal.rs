@@ -1,10 +1,10 @@
-//! The open-instance journal (CE §4.3, §9): one durable file per instance whose start was
+//! The open-instance journal (custom-extension.md §4.3, §9): one durable file per instance whose start was
 //! attempted and whose stop has not been delivered or given up yet.
 //!
 //! `<dir>/<sandboxInstanceId>.json` is written with `store::write_atomic` (temp file,
 //! fsync, rename, fsync of the directory) before the start hook is sent, and unlinked (and
 //! the directory fsync'd) when the instance is closed. A crash between delivery and the
-//! unlink only causes a duplicate stop, which extensions must accept (CE §4.7).
+//! unlink only causes a duplicate stop, which extensions must accept (custom-extension.md §4.7).
 
 use super::error::HookError;
 use crate::store;
@@ -14,7 +14,7 @@ use std::fs;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-/// One open instance, with what recovery needs (CE §9.3).
+/// One open instance, with what recovery needs (custom-extension.md §9.3).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JournalEntry {

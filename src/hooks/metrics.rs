@@ -1,4 +1,4 @@
-//! Hook metrics (CE §8.7), rendered in Prometheus text format.
+//! Hook metrics (custom-extension.md §8.7), rendered in Prometheus text format.
 
 use super::Hook;
 use std::fmt::Write;

@@ -4,9 +4,9 @@
 //! Threads:
 //! - an elastic pool of `hook-worker` threads serving one FIFO lane per sandbox
 //!   ([`lanes`]): start, stop and retry attempts of one sandbox go out in submission
-//!   order, and different sandboxes never wait for each other (CE §2.9, §6.1);
+//!   order, and different sandboxes never wait for each other (custom-extension.md §2.9, §6.1);
 //! - one `hook-retry` timer thread that queues stop retries 1 s, 2 s and 4 s after the
-//!   previous attempt ended (CE §8.2).
+//!   previous attempt ended (custom-extension.md §8.2).
 //!
 //! API-facing calls block their caller until the attempt finished, at most `timeout_ms`
 //! after the attempt began (plus a few milliseconds), even if the worker is stuck in
@@ -73,7 +73,7 @@ impl fmt::Display for Hook {
     }
 }
 
-/// Why an instance ends; sent as `X-Agentenv-Stop-Reason` (CE §2.2).
+/// Why an instance ends; sent as `X-Agentenv-Stop-Reason` (custom-extension.md §2.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StopReason {
     Pause,
@@ -117,23 +117,23 @@ pub struct StartContext {
     pub netns_path: PathBuf,
     pub host_ip: Ipv4Addr,
     /// Recorded in the journal so that network reclaim can keep the slot until the
-    /// recovery stop's first attempt (CE §3.4, §9.3).
+    /// recovery stop's first attempt (custom-extension.md §3.4, §9.3).
     pub slot_index: u32,
-    /// The effective params; absent, `null` and `{}` are all sent as `{}` (CE §10.1).
+    /// The effective params; absent, `null` and `{}` are all sent as `{}` (custom-extension.md §10.1).
     pub params: Value,
 }
 
 /// One start attempt's identity. Every instance with an id must be passed to
-/// [`HookClient::stop`] exactly once, whatever happened after the start (CE §4.4).
+/// [`HookClient::stop`] exactly once, whatever happened after the start (custom-extension.md §4.4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Instance {
     pub sandbox_id: String,
     /// `None` when no start hook was attempted (extension disabled, or the journal write
-    /// failed): stopping it is a no-op (CE §4.5).
+    /// failed): stopping it is a no-op (custom-extension.md §4.5).
     pub instance_id: Option<String>,
 }
 
-/// Retries follow the first attempt at most this many times minus one (CE §8.2).
+/// Retries follow the first attempt at most this many times minus one (custom-extension.md §8.2).
 pub const MAX_STOP_ATTEMPTS: u32 = 4;
 
 /// Delay before attempt `done + 1`, after attempt `done` failed: 1 s, 2 s, 4 s.
@@ -265,8 +265,8 @@ impl HookClient {
     }
 
     /// Sends stop (reason `recovery`, normal retry policy) for every journal entry that was
-    /// open at startup, in the background, per-sandbox ordered (CE §9.3). With the
-    /// extension disabled, the entries are dropped with a WARN each (CE §9.6). Runs once;
+    /// open at startup, in the background, per-sandbox ordered (custom-extension.md §9.3). With the
+    /// extension disabled, the entries are dropped with a WARN each (custom-extension.md §9.6). Runs once;
     /// later calls do nothing.
     pub fn recover(&self) {
         let inner = &self.inner;
@@ -316,7 +316,7 @@ impl HookClient {
     }
 
     /// Slot indices of startup entries whose recovery stop's first attempt has not
-    /// finished yet. Network reclaim keeps these slots' namespaces until then (CE §3.4).
+    /// finished yet. Network reclaim keeps these slots' namespaces until then (custom-extension.md §3.4).
     pub fn recovering_slots(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self
             .inner
@@ -349,11 +349,11 @@ impl HookClient {
     }
 
     /// Records the instance in the journal (durably), then sends start-fresh and applies
-    /// CE §3.1 and §11. `base_cmdline_len` is the length of the kernel command line the
+    /// custom-extension.md §3.1 and §11. `base_cmdline_len` is the length of the kernel command line the
     /// arguments would be appended to (as `" " + args`).
     ///
     /// The instance is returned even on failure: if it has an id, the caller owes it a
-    /// stop (reason `start-failed`, CE §7.3).
+    /// stop (reason `start-failed`, custom-extension.md §7.3).
     pub fn start_fresh(
         &self,
         s: &StartContext,
@@ -362,7 +362,7 @@ impl HookClient {
         self.start_hook(Hook::StartFresh, s, base_cmdline_len)
     }
 
-    /// Like [`HookClient::start_fresh`] for start-resume (CE §3.2): any 2xx succeeds.
+    /// Like [`HookClient::start_fresh`] for start-resume (custom-extension.md §3.2): any 2xx succeeds.
     pub fn start_resume(&self, s: &StartContext) -> (Instance, Result<(), HookError>) {
         let (instance, r) = self.start_hook(Hook::StartResume, s, 0);
         (instance, r.map(|_| ()))
@@ -371,8 +371,8 @@ impl HookClient {
     /// Sends patch-params and returns the sandbox's new full params (`{}` when cleared).
     /// `HookError::Disabled` when the extension is disabled (the API's 400).
     ///
-    /// Calls for one sandbox are not serialised with each other (CE §6.5); the orchestrator
-    /// keeps them inside the running instance (CE §6.4).
+    /// Calls for one sandbox are not serialised with each other (custom-extension.md §6.5); the orchestrator
+    /// keeps them inside the running instance (custom-extension.md §6.4).
     pub fn patch_params(&self, sandbox_id: &str, patch: &Value) -> Result<Value, HookError> {
         if !self.enabled() {
             return Err(HookError::Disabled);
@@ -406,7 +406,7 @@ impl HookClient {
     }
 
     /// Sends stop for `instance` and waits for the first attempt (at most `timeout_ms`).
-    /// A failed attempt is retried in the background (CE §8); the journal entry is closed
+    /// A failed attempt is retried in the background (custom-extension.md §8); the journal entry is closed
     /// on delivery or when the stop is given up. No-op when the instance has no id.
     pub fn stop(&self, instance: Instance, reason: StopReason) {
         let Some(instance_id) = instance.instance_id else {
@@ -435,7 +435,7 @@ impl HookClient {
         let _ = self.wait(rx, Hook::Stop);
     }
 
-    /// Graceful shutdown (CE §9.1 step 4): every stop waiting for a retry gets one final
+    /// Graceful shutdown (custom-extension.md §9.1 step 4): every stop waiting for a retry gets one final
     /// attempt now; a failed one stays open in the journal for the next start. Also waits
     /// for hooks already queued. Stops sent after this make one attempt, no retries.
     pub fn shutdown(&self) {
@@ -481,7 +481,7 @@ impl HookClient {
         self.inner.open.lock().len()
     }
 
-    /// Appends the hook metric families (CE §8.7) in Prometheus text format.
+    /// Appends the hook metric families (custom-extension.md §8.7) in Prometheus text format.
     pub fn render_metrics(&self, out: &mut String) {
         self.inner.metrics.render(out, self.open_instances());
     }

@@ -1,4 +1,4 @@
-//! Per-hook response body rules (CE §3). Pure functions over the bytes that were read.
+//! Per-hook response body rules (custom-extension.md §3). Pure functions over the bytes that were read.
 
 use super::boot_args;
 use super::error::Cause;
@@ -17,7 +17,7 @@ fn is_blank(body: &[u8]) -> bool {
         .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
 }
 
-/// start-fresh (CE §3.1): the extra boot arguments to append, if any.
+/// start-fresh (custom-extension.md §3.1): the extra boot arguments to append, if any.
 pub fn start_fresh(body: &[u8], base_cmdline_len: usize) -> Result<Option<String>, Cause> {
     if is_blank(body) {
         return Ok(None);
@@ -31,7 +31,7 @@ pub fn start_fresh(body: &[u8], base_cmdline_len: usize) -> Result<Option<String
     }
 }
 
-/// patch-params (CE §3.3): the sandbox's new full params (`{}` when cleared).
+/// patch-params (custom-extension.md §3.3): the sandbox's new full params (`{}` when cleared).
 pub fn patch_params(body: &[u8]) -> Result<Value, Cause> {
     match json_object(body)?.remove("customExtensionParams") {
         None | Some(Value::Null) => Ok(Value::Object(Map::new())),

@@ -1,4 +1,4 @@
-//! One hook attempt over HTTP/1.1 (CE §2): headers, the total time bound, no redirects,
+//! One hook attempt over HTTP/1.1 (custom-extension.md §2): headers, the total time bound, no redirects,
 //! the 1 MiB body cap.
 
 use super::error::Cause;
@@ -6,7 +6,7 @@ use super::{Hook, StopReason};
 use std::io::Read;
 use std::time::{Duration, Instant};
 
-/// CE §2.5: at most this much response body is read.
+/// custom-extension.md §2.5: at most this much response body is read.
 pub const MAX_BODY: u64 = 1024 * 1024;
 
 /// A blocking HTTP client bound to the configured extension.

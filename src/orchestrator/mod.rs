@@ -72,7 +72,7 @@ pub struct FromSnapshot {
     pub auto_pause: bool,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
-    /// `null`/`{}` inherit the snapshot's params (CE §10.5).
+    /// `null`/`{}` inherit the snapshot's params (custom-extension.md §10.5).
     pub params: serde_json::Value,
     pub allow_internet_access: Option<bool>,
     pub cpu_count: Option<u32>,
@@ -278,7 +278,7 @@ impl Orchestrator {
 
     /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
     /// expiry changed, with no hooks: connect never shortens it, resume resets it. A
-    /// paused one is resumed (CE §5.5).
+    /// paused one is resumed (custom-extension.md §5.5).
     pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
         self.refuse_when_shutting_down()?;
         let result = operations::resume(&self.shared, id, secs, is_connect);
@@ -377,7 +377,7 @@ impl Orchestrator {
         Ok(())
     }
 
-    /// `POST /sandboxes` (CE §5.3): a new sandbox restored from a snapshot.
+    /// `POST /sandboxes` (custom-extension.md §5.3): a new sandbox restored from a snapshot.
     pub fn create_from_snapshot(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
         let result = self.create_from_snapshot_inner(req);
@@ -452,7 +452,7 @@ impl Orchestrator {
         self.shared.hooks.enabled()
     }
 
-    /// `PATCH …/custom-extension-params` (CE §10.11, after the body checks): 404, 409 when
+    /// `PATCH …/custom-extension-params` (custom-extension.md §10.11, after the body checks): 404, 409 when
     /// not running, 400 when the extension is disabled, 502 when the hook failed; else the
     /// new full params, stored before the answer.
     pub fn patch_params(
@@ -473,7 +473,7 @@ impl Orchestrator {
             )));
         }
         let result = self.shared.hooks.patch_params(id, &patch);
-        // Stored durably before the answer (CE §10.3).
+        // Stored durably before the answer (custom-extension.md §10.3).
         let result = result.map_err(operations::hook_error).and_then(|params| {
             let info = {
                 let mut info = entry.info.lock();
@@ -590,13 +590,13 @@ impl Orchestrator {
         out
     }
 
-    /// Graceful shutdown (CE §9.1): refuse new work, pause every running sandbox (stop
+    /// Graceful shutdown (custom-extension.md §9.1): refuse new work, pause every running sandbox (stop
     /// reason `shutdown`; one whose pause fails is kept, never deleted), give pending stop
     /// retries a final attempt, release the network.
     ///
     /// Bounded by `[server] shutdown_timeout_secs`: returns `false` when that ran out
     /// (the caller exits with status 1; the VMs die with the process and their journal
-    /// entries stay open for the next start, CE §9.1).
+    /// entries stay open for the next start, custom-extension.md §9.1).
     pub fn shutdown(&self) -> bool {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
@@ -654,7 +654,7 @@ pub(crate) fn delete(shared: &Shared, id: &str, reason: StopReason) -> Result<()
     };
     shared.unregister(id);
     entry.set_state(SandboxState::Deleting);
-    // No patch-params may follow the instance's stop (CE §6.4).
+    // No patch-params may follow the instance's stop (custom-extension.md §6.4).
     entry.wait_patches();
     let runtime = entry.runtime.lock().take();
     if let Some(runtime) = runtime {
@@ -698,7 +698,7 @@ fn load_sandboxes(dir: &std::path::Path) -> HashMap<String, Arc<SandboxEntry>> {
         .collect()
 }
 
-/// Absent, `null` and `{}` are the same (CE §10.1).
+/// Absent, `null` and `{}` are the same (custom-extension.md §10.1).
 fn is_empty_params(v: &serde_json::Value) -> bool {
     v.is_null() || v.as_object().is_some_and(|m| m.is_empty())
 }

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-/// A failed start or patch hook: 502 with the CE §7.5 message; a disabled extension: 400.
+/// A failed start or patch hook: 502 with the custom-extension.md §7.5 message; a disabled extension: 400.
 pub(crate) fn hook_error(e: HookError) -> OrchError {
     match e {
         HookError::Disabled => OrchError::BadRequest(e.to_string()),
@@ -74,7 +74,7 @@ pub(crate) struct Booted {
     pub netns_path: PathBuf,
 }
 
-/// The fresh-boot steps shared by cold creates and template builds (CE §5.2 steps 3–6,
+/// The fresh-boot steps shared by cold creates and template builds (custom-extension.md §5.2 steps 3–6,
 /// §5.9): overlay on the image's base, slot, journal + start-fresh (its `extraBootArgs`
 /// last on the command line), VM, agent. A failed hook is stopped with `failed_reason`.
 pub(crate) fn boot_fresh(
@@ -102,7 +102,7 @@ pub(crate) fn boot_fresh(
         Ok(Some(extra)) => kernel_args.push(extra),
         Ok(None) => {}
         Err(e) => {
-            // Rollback before the answer (CE §7.3): stop for the attempt, then the slot.
+            // Rollback before the answer (custom-extension.md §7.3): stop for the attempt, then the slot.
             shared.hooks.stop(instance, failed_reason);
             shared.slots.release(slot);
             return Err(hook_error(e));
@@ -130,7 +130,7 @@ pub(crate) fn boot_fresh(
     })
 }
 
-/// `POST /sandboxes-cold` (CE §5.2): image → disk → slot → journal + start-fresh → VM →
+/// `POST /sandboxes-cold` (custom-extension.md §5.2): image → disk → slot → journal + start-fresh → VM →
 /// agent ready → record → visible.
 pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<SandboxInfo, OrchError> {
     let started = Instant::now();
@@ -201,7 +201,7 @@ fn register_running(
     Ok(())
 }
 
-/// Pause (CE §5.4): API call, auto-pause on timeout, graceful shutdown. Idempotent.
+/// Pause (custom-extension.md §5.4): API call, auto-pause on timeout, graceful shutdown. Idempotent.
 pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(), OrchError> {
     let entry = shared.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Pause)? else {
@@ -285,7 +285,7 @@ fn records_capture(dir: &std::path::Path) -> Option<CaptureRecord> {
     records::read(dir).ok()?.paused
 }
 
-/// Resume or connect (CE §5.5). A running sandbox only gets its expiry changed.
+/// Resume or connect (custom-extension.md §5.5). A running sandbox only gets its expiry changed.
 pub(crate) fn resume(
     shared: &Arc<Shared>,
     id: &str,
@@ -431,7 +431,7 @@ fn restore_paused(
     }
 }
 
-/// `POST …/snapshots` (CE §5.7): capture in place, no hooks, same instance.
+/// `POST …/snapshots` (custom-extension.md §5.7): capture in place, no hooks, same instance.
 pub(crate) fn snapshot(
     shared: &Shared,
     id: &str,
@@ -459,7 +459,7 @@ pub(crate) fn snapshot(
 }
 
 /// Captures a running sandbox into `<state>/snapshots/<snapshot_id>` with the disk frozen;
-/// it runs on. If the VM cannot run on, the sandbox is removed (CE §5.4's rule).
+/// it runs on. If the VM cannot run on, the sandbox is removed (custom-extension.md §5.4's rule).
 fn capture_running(
     shared: &Shared,
     entry: &SandboxEntry,
@@ -550,7 +550,7 @@ impl SandboxSpec {
     }
 }
 
-/// A new sandbox from a capture (CE §5.3, §5.8): its own disk over the capture's frozen
+/// A new sandbox from a capture (custom-extension.md §5.3, §5.8): its own disk over the capture's frozen
 /// layers, a slot, start-resume, restore, agent, record. Never a cold boot.
 pub(crate) fn clone_from_capture(
     shared: &Arc<Shared>,
@@ -598,7 +598,7 @@ pub(crate) fn clone_from_capture(
     Ok(info)
 }
 
-/// `POST …/fork` (CE §5.8): one in-place checkpoint of the parent, then `count` children
+/// `POST …/fork` (custom-extension.md §5.8): one in-place checkpoint of the parent, then `count` children
 /// restored from it, each with its own id, slot, disk and start-resume. The parent keeps
 /// running with its instance.
 pub(crate) fn fork(

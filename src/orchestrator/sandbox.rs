@@ -223,7 +223,7 @@ pub struct SandboxEntry {
     /// The committed capture while paused.
     pub paused: Mutex<Option<crate::vm::CaptureRecord>>,
     pub running_commands: AtomicU32,
-    /// patch-params calls in flight; pause, delete and snapshot wait for them (CE §6.4).
+    /// patch-params calls in flight; pause, delete and snapshot wait for them (custom-extension.md §6.4).
     patches: Mutex<u32>,
     patches_done: Condvar,
 }

@@ -131,7 +131,7 @@ fn spawn_thread(name: String, body: Box<dyn FnOnce() + Send>) -> std::io::Result
     std::thread::Builder::new().name(name).spawn(body).map(drop)
 }
 
-/// What a start that never reached its supervisor owes (CE §7.3): the stop hook for the
+/// What a start that never reached its supervisor owes (custom-extension.md §7.3): the stop hook for the
 /// instance its start hook opened, and the slot.
 pub(crate) trait StartDebts {
     fn stop(&self, instance: Instance, reason: StopReason);
@@ -225,7 +225,7 @@ struct Runtime {
 }
 
 impl Runtime {
-    /// CE §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
+    /// custom-extension.md §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
     /// while the namespace still exists, then the slot is released and (when armed) the
     /// files are removed.
     fn teardown(mut self, shared: &Shared, reason: StopReason) {
@@ -423,7 +423,7 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
     }
 }
 
-/// CE §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
+/// custom-extension.md §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
 /// slot released. Returns the runtime when the VM runs on.
 fn pause(
     shared: &Shared,
@@ -473,7 +473,7 @@ fn pause(
     }
 }
 
-/// CE §5.7: capture in place with the disk frozen, then run on. The sandbox's disk chain
+/// custom-extension.md §5.7: capture in place with the disk frozen, then run on. The sandbox's disk chain
 /// grows by one layer per capture; it is flattened when it gets deep.
 fn snapshot(
     id: &str,

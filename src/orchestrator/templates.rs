@@ -1,4 +1,4 @@
-//! Template builds from images (api.md §4.15, CE §5.9): boot an internal build sandbox
+//! Template builds from images (api.md §4.15, custom-extension.md §5.9): boot an internal build sandbox
 //! (start-fresh with `{}`), run `startCmd`, capture it with the disk frozen, stop it (stop
 //! reason `template-build`). The result is a snapshot with a name that `POST /sandboxes`
 //! starts from. Builds run in the background, at most `[templates]
