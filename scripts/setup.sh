@@ -77,12 +77,6 @@ step "building the static server and guest agent"
 AGENT="$ROOT/target/$AGENT_TARGET/release/agentenv-agent"
 [ -x "$AGENT" ] || die "agent binary missing at $AGENT"
 
-step "account agentenv-vm"
-# The same call as packaging/install.sh.
-getent passwd agentenv-vm >/dev/null \
-  || useradd --system --user-group --no-create-home --home-dir /nonexistent \
-       --shell /usr/sbin/nologin agentenv-vm
-
 step "guest initramfs"
 "$ROOT/scripts/build-initramfs.sh" "$AGENT" "$ASSETS/modules" "$ASSETS/initramfs.img.tmp"
 mv -f "$ASSETS/initramfs.img.tmp" "$ASSETS/initramfs.img"
