@@ -3,8 +3,9 @@
 //! The E2B SDKs talk to envd, the daemon inside an E2B sandbox, at one base URL for every
 //! sandbox (`E2B_SANDBOX_URL`) with an `E2b-Sandbox-Id` header, or at
 //! `https://<port>-<sandboxID>.<E2B_DOMAIN>` behind a wildcard TLS proxy. Requests of
-//! either shape are taken off the API workers here ([`EnvdProxy::divert`]) and forwarded
-//! on a stream thread of their own to the guest agent, which serves envd's surface at
+//! either shape ([`is_envd`], from the headers alone) are taken off the API workers and
+//! answered by [`EnvdProxy::serve`] on a stream thread of their own: forwarded to the
+//! guest agent, which serves envd's surface at
 //! `<hostInteractionIp>:<port>`. Streams (Connect server streams, uploads, watches) can
 //! last as long as a command runs; they never hold an API worker. Threads are bounded in
 //! total and per sandbox (429 beyond).
@@ -27,6 +28,7 @@ use crate::util::{constant_time_eq, is_uuid};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tiny_http::{Header, Request, Response, StatusCode};
@@ -63,18 +65,15 @@ pub struct EnvdProxy {
     orchestrator: Arc<Orchestrator>,
     api_key: String,
     agent_port: u16,
-    streams: Mutex<StreamCounts>,
+    /// Stream threads running (see [`EnvdProxy::divert`]).
+    threads: AtomicUsize,
+    /// Open exchanges per sandbox.
+    open: Mutex<HashMap<String, usize>>,
     /// Per sandbox, the VM instance whose guest got `/init`.
     initialized: Mutex<HashMap<String, u64>>,
 }
 
-#[derive(Default)]
-struct StreamCounts {
-    total: usize,
-    per_sandbox: HashMap<String, usize>,
-}
-
-/// One counted stream; gives its place back on drop.
+/// One open exchange of a sandbox; gives its place back on drop.
 struct StreamPermit {
     proxy: Arc<EnvdProxy>,
     sandbox: String,
@@ -82,12 +81,11 @@ struct StreamPermit {
 
 impl Drop for StreamPermit {
     fn drop(&mut self) {
-        let mut counts = self.proxy.streams.lock();
-        counts.total -= 1;
-        if let Some(n) = counts.per_sandbox.get_mut(&self.sandbox) {
+        let mut open = self.proxy.open.lock();
+        if let Some(n) = open.get_mut(&self.sandbox) {
             *n -= 1;
             if *n == 0 {
-                counts.per_sandbox.remove(&self.sandbox);
+                open.remove(&self.sandbox);
             }
         }
     }
@@ -100,21 +98,50 @@ impl EnvdProxy {
             orchestrator,
             api_key,
             agent_port,
-            streams: Mutex::new(StreamCounts::default()),
+            threads: AtomicUsize::new(0),
+            open: Mutex::new(HashMap::new()),
             initialized: Mutex::new(HashMap::new()),
         }
     }
 
     /// Whether `request` is for a sandbox's envd (headers only; nothing is looked up).
     pub fn wants(&self, request: &Request) -> bool {
-        destination(request, self.agent_port).is_some()
+        is_envd(request)
     }
 
-    /// Takes `request` when it is for a sandbox's envd and answers it (on a stream thread
-    /// once it is allowed through); gives any other request back to the API.
+    /// Takes `request` when it is for a sandbox's envd and answers it on a thread of its
+    /// own (at most [`MAX_STREAMS`]); gives any other request back to the API.
     pub fn divert(self: &Arc<Self>, request: Request) -> Option<Request> {
-        let Some(dest) = destination(&request, self.agent_port) else {
+        if !is_envd(&request) {
             return Some(request);
+        }
+        if self.threads.fetch_add(1, Ordering::AcqRel) >= MAX_STREAMS {
+            self.threads.fetch_sub(1, Ordering::AcqRel);
+            let e = ApiError::new(503, "too many envd streams open; retry when one ends");
+            answer_error(request, &e);
+            return None;
+        }
+        let proxy = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("envd-stream".into())
+            .spawn(move || {
+                proxy.serve(request);
+                proxy.threads.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            self.threads.fetch_sub(1, Ordering::AcqRel);
+            // The request went with the closure; its client sees the connection close.
+            log::error!("op=envd_proxy error=\"cannot spawn a stream thread: {e}\"");
+        }
+        None
+    }
+
+    /// Answers one envd request: credentials, route, `/init` when due, then the exchange
+    /// with the guest. Blocks for as long as the exchange lasts: run it on a thread that
+    /// is no API worker.
+    pub fn serve(self: &Arc<Self>, request: Request) {
+        let Some(dest) = destination(&request, self.agent_port) else {
+            return answer_error(request, &ApiError::not_found("no sandbox named"));
         };
         let route = self.orchestrator.envd_route(&dest.sandbox);
         let token = match &route {
@@ -123,49 +150,32 @@ impl EnvdProxy {
             EnvdRoute::Unknown => None,
         };
         if !authorized(&request, token, &self.api_key) {
-            answer_error(request, &unauthorized());
-            return None;
+            return answer_error(request, &unauthorized());
         }
         let target = match route {
             EnvdRoute::Running(target) => target,
             EnvdRoute::NotRunning { .. } | EnvdRoute::Unknown => {
                 self.initialized.lock().remove(&dest.sandbox);
-                answer_error(request, &not_found(&dest.sandbox));
-                return None;
+                return answer_error(request, &not_found(&dest.sandbox));
             }
         };
-        let Some(permit) = self.permit(&dest.sandbox) else {
-            answer_error(
-                request,
-                &ApiError::new(
-                    429,
-                    format!("too many open envd requests for sandbox {}", dest.sandbox),
-                ),
+        let Some(_permit) = self.permit(&dest.sandbox) else {
+            let message = format!(
+                "{MAX_STREAMS_PER_SANDBOX} envd requests of sandbox {} are open; retry when one ends",
+                dest.sandbox
             );
-            return None;
+            return answer_error(request, &ApiError::new(429, message));
         };
-        let proxy = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("envd-stream".into())
-            .spawn(move || {
-                proxy.forward(request, &dest, &target);
-                drop(permit);
-            });
-        if let Err(e) = spawned {
-            // The request went with the closure; its client sees the connection close.
-            log::error!("op=envd_proxy error=\"cannot spawn a stream thread: {e}\"");
-        }
-        None
+        self.forward(request, &dest, &target);
     }
 
     fn permit(self: &Arc<Self>, sandbox: &str) -> Option<StreamPermit> {
-        let mut counts = self.streams.lock();
-        let mine = counts.per_sandbox.get(sandbox).copied().unwrap_or(0);
-        if counts.total >= MAX_STREAMS || mine >= MAX_STREAMS_PER_SANDBOX {
+        let mut open = self.open.lock();
+        let mine = open.entry(sandbox.to_string()).or_insert(0);
+        if *mine >= MAX_STREAMS_PER_SANDBOX {
             return None;
         }
-        counts.total += 1;
-        counts.per_sandbox.insert(sandbox.to_string(), mine + 1);
+        *mine += 1;
         Some(StreamPermit {
             proxy: self.clone(),
             sandbox: sandbox.to_string(),
@@ -233,6 +243,11 @@ impl EnvdProxy {
             Err(e) => log::warn!("sandboxId={sandbox} op=envd_init error=\"{e}\""),
         }
     }
+}
+
+/// Whether `request` is for a sandbox's envd rather than the API (headers only).
+pub fn is_envd(request: &Request) -> bool {
+    destination(request, 0).is_some()
 }
 
 /// The sandbox and port of an envd request: the `E2b-Sandbox-Id` header (port from
