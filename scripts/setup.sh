@@ -15,6 +15,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PATH="$HOME/.cargo/bin:$PATH"
 ASSETS=${AENV_ASSETS_DIR:-/var/lib/agentenv/assets}
 AGENT_TARGET=x86_64-unknown-linux-gnu
+# Test tools: a python venv and an npm prefix (shared with the other test tools).
+TEST_TOOLS=/opt/agentenv-tests
+E2B_PY_VERSION=2.63.0
+E2B_JS_VERSION=2.51.0
 
 step() { printf '==> %s\n' "$*"; }
 die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
@@ -88,6 +92,25 @@ rm -rf "$ASSETS/base-image.tmp"
   --bash /bin/bash-static
 rm -rf "$ASSETS/base-image"
 mv "$ASSETS/base-image.tmp" "$ASSETS/base-image"
+
+step "E2B SDKs for the tests (python e2b $E2B_PY_VERSION, npm e2b $E2B_JS_VERSION)"
+# Pinned; tests/e2e_sdk.rs drives them against the real server (docs/e2b.md). The JS SDK
+# needs Node >= 20.18 (Debian 12 ships 18: take a newer nodejs where one is available).
+sdk_need=()
+dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | grep -q 'install ok installed' || sdk_need+=(python3 python3-venv)
+command -v node >/dev/null && command -v npm >/dev/null || sdk_need+=(nodejs npm)
+if [ "${#sdk_need[@]}" -gt 0 ]; then
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends "${sdk_need[@]}" || die "cannot install ${sdk_need[*]}"
+fi
+mkdir -p "$TEST_TOOLS"
+[ -x "$TEST_TOOLS/venv/bin/python" ] || /usr/bin/python3 -m venv "$TEST_TOOLS/venv" \
+  || die "cannot create the venv $TEST_TOOLS/venv"
+"$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "e2b==$E2B_PY_VERSION" \
+  || die "cannot install e2b==$E2B_PY_VERSION from PyPI"
+mkdir -p "$TEST_TOOLS/node"
+(cd "$TEST_TOOLS/node" && npm install --silent --no-audit --no-fund --no-save "e2b@$E2B_JS_VERSION") \
+  || die "cannot install e2b@$E2B_JS_VERSION from npm"
 
 step "done: assets in $ASSETS"
 ls -la "$ASSETS"
