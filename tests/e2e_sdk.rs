@@ -9,6 +9,9 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
+/// Where scripts/setup.sh installs the SDKs.
+const TOOLS: &str = "/opt/agentenv-tests";
+
 /// Builds template `name` from the built-in base image and waits until it is ready.
 fn build_template(s: &Server, name: &str) {
     let (code, t) = s.call(
@@ -40,12 +43,118 @@ fn envd(s: &Server, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16,
     }
 }
 
-/// The control-plane routes the SDKs call, and the envd proxy's routing and credentials,
-/// checked with plain HTTP against the guest's `/health`.
+/// One server and one template for everything (servers cannot run side by side).
 #[test]
-fn control_plane_and_envd_routing() {
+fn e2b_sdks_end_to_end() {
+    let (python, js_module) = sdk_tools();
     let s = Server::start("");
     build_template(&s, "base");
+    control_plane_and_envd_routing(&s);
+    let mut calls = Vec::new();
+    for script in [
+        "lifecycle.py",
+        "commands.py",
+        "files.py",
+        "pty_watch.py",
+        "latency.py",
+    ] {
+        calls.extend(run_sdk(&s, &python, script, None));
+    }
+    calls.extend(run_sdk(&s, "node", "basic.mjs", Some(&js_module)));
+    // Every call the scripts tried, for the log of a passing run.
+    println!("{}", calls.join("\n"));
+    let (_, left) = s.call("GET", "/v2/sandboxes", None);
+    assert_eq!(left, json!([]), "the scripts kill what they create");
+}
+
+/// The python interpreter of the test venv and the JS SDK's module (node >= 20 checked).
+fn sdk_tools() -> (String, String) {
+    let python = format!("{TOOLS}/venv/bin/python");
+    let js_module = format!("{TOOLS}/node/node_modules/e2b/dist/index.mjs");
+    assert!(
+        std::path::Path::new(&python).exists() && std::path::Path::new(&js_module).exists(),
+        "the E2B SDKs are missing under {TOOLS}: run scripts/setup.sh"
+    );
+    let out = std::process::Command::new("node")
+        .arg("--version")
+        .output()
+        .expect("node not found: run scripts/setup.sh");
+    let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let major: u32 = version
+        .trim_start_matches('v')
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        major >= 20,
+        "node {version} is too old for the e2b JS SDK (needs >= 20.18)"
+    );
+    (python, js_module)
+}
+
+/// Runs `tests/sdk/<script>` with the SDK pointed at `s` (and, for JS, the SDK module
+/// in `AENV_E2B_JS`); asserts it succeeded and returns its `ok ...` lines.
+fn run_sdk(s: &Server, program: &str, script: &str, js_module: Option<&str>) -> Vec<String> {
+    let script = format!("{}/tests/sdk/{script}", env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = std::process::Command::new(program);
+    cmd.arg(&script)
+        .env("E2B_API_URL", &s.base)
+        .env("E2B_SANDBOX_URL", &s.base)
+        .env("E2B_API_KEY", API_KEY)
+        .env("PYTHONUNBUFFERED", "1")
+        .env_remove("E2B_DOMAIN")
+        .env_remove("E2B_DEBUG");
+    if let Some(module) = js_module {
+        cmd.env("AENV_E2B_JS", module);
+    }
+    finish(s, &script, cmd)
+}
+
+/// Waits (bounded) for an SDK script; its `ok` lines, or a panic with its output.
+fn finish(s: &Server, script: &str, mut cmd: std::process::Command) -> Vec<String> {
+    let dir = s.state_dir.parent().unwrap().to_path_buf();
+    let name = script.rsplit('/').next().unwrap();
+    let out_path = dir.join(format!("{name}.out"));
+    let out = std::fs::File::create(&out_path).unwrap();
+    let mut child = cmd
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = std::fs::read_to_string(&out_path).unwrap_or_default();
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "{name} failed ({status:?}):\n{output}\n--- server log tail:\n{}",
+        tail(&s.log(), 60)
+    );
+    output
+        .lines()
+        .filter(|l| l.starts_with("ok ") || l.starts_with("latency"))
+        .map(|l| format!("{name}: {l}"))
+        .collect()
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The control-plane routes the SDKs call, and the envd proxy's routing and credentials,
+/// checked with plain HTTP against the guest's `/health`.
+fn control_plane_and_envd_routing(s: &Server) {
     let missing = "0190f3c4-1c2d-7e3f-8a4b-5c6d7e8f9a0b";
 
     // Connect: 404 for an unknown sandbox before any body check.
@@ -90,18 +199,18 @@ fn control_plane_and_envd_routing() {
         ("E2b-Sandbox-Id", id.as_str()),
         ("X-Access-Token", token.as_str()),
     ];
-    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    let (code, text) = envd(s, "GET", "/health", &by_header);
     assert_eq!(code, 200, "the guest's own /health answers: {text}");
     let host = format!("49983-{id}.sandbox.test");
     let (code, _) = envd(
-        &s,
+        s,
         "GET",
         "/health",
         &[("Host", &host), ("X-Access-Token", &token)],
     );
     assert_eq!(code, 200);
     let (code, _) = envd(
-        &s,
+        s,
         "GET",
         "/health",
         &[("E2b-Sandbox-Id", &id), ("X-API-Key", API_KEY)],
@@ -119,13 +228,13 @@ fn control_plane_and_envd_routing() {
         ],
         vec![("Host", host.as_str())],
     ] {
-        let (code, text) = envd(&s, "GET", "/health", &headers);
+        let (code, text) = envd(s, "GET", "/health", &headers);
         assert_eq!(code, 401, "{headers:?}: {text}");
         assert!(!text.contains(&id) && !text.contains(missing), "{text}");
     }
     // An unknown sandbox with the API key: not running.
     let (code, text) = envd(
-        &s,
+        s,
         "GET",
         "/health",
         &[("E2b-Sandbox-Id", missing), ("X-API-Key", API_KEY)],
@@ -133,7 +242,7 @@ fn control_plane_and_envd_routing() {
     assert_eq!(code, 502);
     assert!(text.contains("was not found"), "{text}");
     // The server's own /health is unaffected.
-    assert_eq!(envd(&s, "GET", "/health", &[]).0, 204);
+    assert_eq!(envd(s, "GET", "/health", &[]).0, 204);
 
     // Connect with {} on a running sandbox: 200, default timeout, same token.
     let (code, v) = s.call(
@@ -150,7 +259,7 @@ fn control_plane_and_envd_routing() {
         s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
         204
     );
-    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    let (code, text) = envd(s, "GET", "/health", &by_header);
     assert_eq!(code, 502, "{text}");
     assert!(text.contains("was not found"), "{text}");
     let (_, list) = s.call("GET", "/v2/sandboxes?state=paused", None);
@@ -162,16 +271,16 @@ fn control_plane_and_envd_routing() {
     );
     assert_eq!(code, 201, "{v}");
     assert_eq!(v["envdAccessToken"], token.as_str());
-    let (code, _) = envd(&s, "GET", "/health", &by_header);
+    let (code, _) = envd(s, "GET", "/health", &by_header);
     assert_eq!(code, 200, "the resumed guest answers again");
 
     // Killed: "was not found" for the token holder (the SDK's is_running() is false).
     assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
-    let (code, text) = envd(&s, "GET", "/health", &by_header);
+    let (code, text) = envd(s, "GET", "/health", &by_header);
     assert_eq!(code, 502);
     assert!(text.contains("was not found"), "{text}");
     let (code, _) = envd(
-        &s,
+        s,
         "GET",
         "/health",
         &[("E2b-Sandbox-Id", &id), ("X-Access-Token", "wrong")],

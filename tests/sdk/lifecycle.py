@@ -1,0 +1,72 @@
+"""Sandbox lifecycle through the python SDK: create with envs and metadata, info, list,
+timeout, pause -> list shows paused -> connect resumes with files intact, kill, and the
+exceptions for a missing sandbox and a wrong API key."""
+
+import os
+
+from e2b import (
+    AuthenticationException,
+    NotFoundException,
+    Sandbox,
+    SandboxQuery,
+    SandboxState,
+)
+
+from check import create, main, ok, raises
+
+
+def body():
+    sbx = create(metadata={"suite": "lifecycle"}, envs={"FROM_CREATE": "created"})
+    ok("Sandbox.create(template, metadata, envs, timeout)", bool(sbx.sandbox_id))
+    ok("Sandbox.is_running()", sbx.is_running())
+
+    info = sbx.get_info()
+    ok("Sandbox.get_info()", info.sandbox_id == sbx.sandbox_id and info.metadata == {"suite": "lifecycle"}, info)
+    ok("SandboxInfo.state running", info.state == SandboxState.RUNNING, info.state)
+
+    out = sbx.commands.run("echo $FROM_CREATE")
+    ok("create envs reach commands.run", out.stdout == "created\n", out.stdout)
+
+    listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "lifecycle"})).next_items()
+    ok("Sandbox.list(metadata=)", [s.sandbox_id for s in listed] == [sbx.sandbox_id], listed)
+
+    sbx.set_timeout(900)
+    end = sbx.get_info().end_at
+    ok("Sandbox.set_timeout(900)", (end - info.started_at).total_seconds() > 800, end)
+
+    sbx.files.write("/home/user/kept.txt", "survives pause\n")
+    ok("files.write before pause")
+    sbx.pause()
+    ok("Sandbox.pause()")
+    ok("is_running() is False while paused", not sbx.is_running())
+    paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    ok("Sandbox.list(state=[PAUSED]) shows it", [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused)
+
+    again = Sandbox.connect(sbx.sandbox_id)
+    ok("Sandbox.connect(id) resumes", again.is_running())
+    ok("files intact after resume", again.files.read("/home/user/kept.txt") == "survives pause\n")
+    out = again.commands.run("echo $FROM_CREATE")
+    ok("create envs after resume", out.stdout == "created\n", out.stdout)
+    running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+    ok("Sandbox.list(state=[RUNNING]) after connect", sbx.sandbox_id in [s.sandbox_id for s in running])
+
+    ok("Sandbox.kill()", again.kill() is True)
+    ok("is_running() is False after kill", not again.is_running())
+    ok("Sandbox.kill(id) of a killed sandbox is False", Sandbox.kill(sbx.sandbox_id) is False)
+    raises("Sandbox.get_info(killed id)", NotFoundException, lambda: Sandbox.get_info(sbx.sandbox_id))
+    raises("Sandbox.connect(killed id)", NotFoundException, lambda: Sandbox.connect(sbx.sandbox_id))
+
+    raises(
+        "Sandbox.create with a wrong API key",
+        AuthenticationException,
+        lambda: Sandbox.create("base", api_key="wrong-key-" + "x" * 30),
+    )
+    raises(
+        "Sandbox.list with a wrong API key",
+        AuthenticationException,
+        lambda: Sandbox.list(api_key="wrong-key-" + "x" * 30).next_items(),
+    )
+    assert os.environ["E2B_API_KEY"]
+
+
+main(body)
