@@ -190,8 +190,11 @@ impl EnvdProxy {
         }
         let orchestrator = self.orchestrator.clone();
         let (sandbox, instance) = (dest.sandbox.clone(), target.instance);
+        let idle = idle_limit(&request);
+        // A streamed request body (stdin of a command) may pause as long as the answer.
+        request.set_body_timeout(Some(idle));
         let patience = Patience {
-            idle: idle_limit(&request),
+            idle,
             alive: Arc::new(move || orchestrator.envd_instance_alive(&sandbox, instance)),
         };
         let started = std::time::Instant::now();
