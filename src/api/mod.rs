@@ -88,7 +88,8 @@ pub fn lane_of(request: &Request) -> Lane {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let method = request.method();
     match (segments.as_slice(), method) {
-        (["sandboxes", _, "commands"], _) | (["sandboxes", _, "files"], _) => Lane::Io,
+        // These talk to the guest, whose answers may be slow: bounded per sandbox.
+        (["sandboxes", _, "commands" | "files" | "metrics"], _) => Lane::Io,
         (_, tiny_http::Method::Get | tiny_http::Method::Head) => Lane::Quick,
         _ => Lane::Control,
     }
@@ -489,6 +490,8 @@ mod tests {
         let files = format!("/sandboxes/{id}/files?path=/x");
         assert_eq!(lane(Method::Get, &files), Lane::Io);
         assert_eq!(lane(Method::Put, &files), Lane::Io);
+        let metrics = format!("/sandboxes/{id}/metrics");
+        assert_eq!(lane(Method::Get, &metrics), Lane::Io);
     }
 
     #[test]

@@ -135,3 +135,28 @@ pub fn template(
     }
     v
 }
+
+/// A guest's envd metrics sample (`ts`, `cpu_count`, ... in bytes) as E2B's
+/// `SandboxMetric`. Missing or malformed numbers are 0: the guest is not trusted.
+pub fn sandbox_metric(sample: &Value) -> Value {
+    let int = |k: &str| sample.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let ts = int("ts");
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(ts);
+    let pct = sample
+        .get("cpu_used_pct")
+        .and_then(Value::as_f64)
+        .filter(|p| p.is_finite())
+        .unwrap_or(0.0)
+        .clamp(0.0, 100.0);
+    json!({
+        "timestamp": rfc3339(at),
+        "timestampUnix": ts,
+        "cpuCount": int("cpu_count"),
+        "cpuUsedPct": pct,
+        "memUsed": int("mem_used"),
+        "memTotal": int("mem_total"),
+        "memCache": int("mem_cache"),
+        "diskUsed": int("disk_used"),
+        "diskTotal": int("disk_total"),
+    })
+}

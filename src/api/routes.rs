@@ -75,6 +75,7 @@ fn sandbox_route(
             | ["fork"]
             | ["commands"]
             | ["logs"]
+            | ["metrics"]
             | ["files"]
             | ["custom-extension-params"]
     );
@@ -94,6 +95,8 @@ fn sandbox_route(
         (["fork"], Method::Post) => fork(ctx, req, id),
         (["commands"], Method::Post) => run_command(ctx, req, id),
         (["logs"], Method::Get) => console_log(ctx, id, query),
+        (["metrics"], Method::Get) => sandbox_metrics(ctx, id),
+        (["metrics"], _) => allow(&["GET"]),
         (["logs"], _) => allow(&["GET"]),
         (["files"], Method::Get) => download(ctx, id, query),
         (["files"], Method::Put) => upload(ctx, req, id, query),
@@ -738,6 +741,39 @@ fn upload(
         }
     }
     Ok(Reply::Empty(204))
+}
+
+/// `GET /sandboxes/{id}/metrics` (E2B's sandbox metrics): one sample of what the guest
+/// sees of its CPU, memory and root disk, read from the guest's envd `GET /metrics`. A
+/// sandbox that is not running has no metrics (`[]`).
+fn sandbox_metrics(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
+    let id = checked_id(id)?;
+    ctx.orchestrator.get(id)?;
+    let crate::orchestrator::EnvdRoute::Running(target) = ctx.orchestrator.envd_route(id) else {
+        return Ok(Reply::json(200, json!([])));
+    };
+    let port = ctx.orchestrator.config().agent.port;
+    let addr = std::net::SocketAddr::from((target.host_ip, port));
+    let timeout = std::time::Duration::from_secs(5);
+    let (status, body) =
+        crate::envd::call(addr, "GET", "/metrics", "application/json", b"", timeout).map_err(
+            |e| {
+                ApiError::new(
+                    502,
+                    format!("sandbox {id}: the guest's metrics are unavailable: {e}"),
+                )
+            },
+        )?;
+    let sample: Value = serde_json::from_slice(&body)
+        .ok()
+        .filter(|_| status == 200)
+        .ok_or_else(|| {
+            ApiError::new(
+                502,
+                format!("sandbox {id}: the guest answered its metrics with status {status} and no valid sample"),
+            )
+        })?;
+    Ok(Reply::json(200, json!([models::sandbox_metric(&sample)])))
 }
 
 #[cfg(test)]

@@ -121,6 +121,18 @@ pub fn set_umask(mask: u32) -> u32 {
     unsafe { libc::umask(mask as libc::mode_t) as u32 }
 }
 
+/// Total and available bytes of the filesystem holding `path` (`statvfs(3)`).
+pub fn filesystem_space(path: &Path) -> SysResult<(u64, u64)> {
+    let c = cstring("statvfs", path)?;
+    // SAFETY: statvfs is plain old data; all-zero bytes are a valid value of it.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid, writable statvfs.
+    let ret = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    check(ret, || format!("statvfs {}", path.display()))?;
+    let unit = st.f_frsize as u64;
+    Ok((st.f_blocks as u64 * unit, st.f_bavail as u64 * unit))
+}
+
 /// Whether the process runs with effective uid 0.
 pub fn is_root() -> bool {
     // SAFETY: geteuid cannot fail and touches no memory.

@@ -30,6 +30,15 @@ def body():
     listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "lifecycle"})).next_items()
     ok("Sandbox.list(metadata=)", [s.sandbox_id for s in listed] == [sbx.sandbox_id], listed)
 
+    metrics = sbx.get_metrics()
+    m = metrics[0] if len(metrics) == 1 else None
+    ok(
+        "Sandbox.get_metrics() is the guest's view",
+        m is not None and m.cpu_count >= 1 and 0 <= m.cpu_used_pct <= 100
+        and 0 < m.mem_used < m.mem_total and 0 < m.disk_used < m.disk_total,
+        metrics,
+    )
+
     sbx.set_timeout(900)
     end = sbx.get_info().end_at
     ok("Sandbox.set_timeout(900)", (end - info.started_at).total_seconds() > 800, end)
@@ -39,6 +48,7 @@ def body():
     sbx.pause()
     ok("Sandbox.pause()")
     ok("is_running() is False while paused", not sbx.is_running())
+    ok("Sandbox.get_metrics() of a paused sandbox is empty", sbx.get_metrics() == [])
     paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
     ok("Sandbox.list(state=[PAUSED]) shows it", [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused)
 

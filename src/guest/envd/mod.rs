@@ -20,6 +20,7 @@ pub mod connect;
 pub mod files;
 pub mod filesystem;
 pub mod http;
+pub mod metrics;
 pub mod multipart;
 pub mod process;
 pub mod users;
@@ -156,13 +157,14 @@ fn handle(envd: &Envd, req: Request) {
     match (path, &method) {
         ("/health", Method::Get) => http::respond_json(req, 200, &json!({"status": "ok"})),
         ("/init", Method::Post) => init(envd, req),
+        ("/metrics", Method::Get) => http::respond_json(req, 200, &metrics::sample()),
         ("/envs", Method::Get) => {
             let env = envd.defaults().env;
             http::respond_json(req, 200, &json!(env))
         }
         ("/files", Method::Get) => files::download(envd, req, query),
         ("/files", Method::Post) => files::upload(envd, req, query),
-        ("/health" | "/envs" | "/init" | "/files", _) => http::respond_json(
+        ("/health" | "/envs" | "/init" | "/files" | "/metrics", _) => http::respond_json(
             req,
             405,
             &json!({"code": 405, "message": format!("method {method} not allowed on {path}")}),
