@@ -14,9 +14,10 @@ use common::registry::{temp_dir, Auth, TestLayer, TestRegistry};
 
 fn have_registry() -> bool {
     let ok = Path::new("/usr/bin/docker-registry").is_file();
-    if !ok {
-        eprintln!("skipping: docker-registry is not installed (scripts/setup.sh)");
-    }
+    assert!(
+        ok,
+        "docker-registry is not installed (run scripts/setup.sh)"
+    );
     ok
 }
 

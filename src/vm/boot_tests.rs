@@ -54,18 +54,15 @@ struct Fixture {
 impl Fixture {
     fn new(name: &str) -> Option<Fixture> {
         let Some(kernel) = find_kernel().filter(|k| k.is_file()) else {
-            eprintln!("skipping: no guest kernel (set AGENTENV_TEST_KERNEL)");
-            return None;
+            panic!("no guest kernel (run scripts/setup.sh or set AGENTENV_TEST_KERNEL)");
         };
         for binary in ["qemu-system-x86_64", "qemu-img", "cpio"] {
             if !have(binary) {
-                eprintln!("skipping: {binary} not installed");
-                return None;
+                panic!("{binary} not installed (run scripts/setup.sh)");
             }
         }
         if !Path::new("/bin/busybox").is_file() {
-            eprintln!("skipping: /bin/busybox (busybox-static) not installed");
-            return None;
+            panic!("/bin/busybox (busybox-static) not installed (run scripts/setup.sh)");
         }
         let dir = std::env::temp_dir().join(format!("aenv-vm-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -274,8 +271,7 @@ impl TestNetns {
                 .is_ok_and(|s| s.success())
         };
         if !ip(&["netns", "add", &name]) {
-            eprintln!("skipping: cannot create a network namespace (needs root and ip(8))");
-            return None;
+            panic!("cannot create a network namespace (needs root and ip(8))");
         }
         let ns = TestNetns(name);
         assert!(ip(&["-n", &ns.0, "tuntap", "add", "tap0", "mode", "tap"]));

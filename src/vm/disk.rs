@@ -326,10 +326,10 @@ mod tests {
 
     #[test]
     fn overlay_over_raw_base() {
-        if Command::new("qemu-img").arg("--version").output().is_err() {
-            eprintln!("skipping: qemu-img not installed");
-            return;
-        }
+        assert!(
+            Command::new("qemu-img").arg("--version").output().is_ok(),
+            "qemu-img not installed (run scripts/setup.sh)"
+        );
         let dir = std::env::temp_dir().join(format!("agentenv-disk-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let base = dir.join("base.raw");
