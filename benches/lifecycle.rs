@@ -14,7 +14,7 @@
 //! holds the host lock. `AENV_BENCH_RUNS` sets the runs per row (default 20). Prints a
 //! markdown table (p50, p90, ratios) for docs/performance.md.
 
-use agentenv::agent::AgentClient;
+use agentenv::agent::{AgentClient, ExecRequest};
 use agentenv::config::AccelMode;
 use agentenv::image::ImageStore;
 use agentenv::vm::{self, Accel, Qmp, GUEST_MAC};
@@ -35,6 +35,8 @@ const SETTLE: Duration = Duration::from_millis(250);
 /// The migration bandwidth cap the product uses for captures (QEMU's default of
 /// 128 MiB/s is several times slower than writing the file).
 const CAPTURE_BANDWIDTH: u64 = 64 << 30;
+/// What the product sets on every capture and restore.
+const MIGRATION_CAPS: &[(&str, bool)] = &[("x-ignore-shared", true)];
 /// Upper bound for any single step of the floor (boot, save, load).
 const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -46,7 +48,7 @@ fn main() {
     let runs: usize = std::env::var("AENV_BENCH_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(20)
+        .unwrap_or(15)
         .max(1);
     let assets = PathBuf::from(
         std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
@@ -61,92 +63,109 @@ fn main() {
     let image = format!("oci:{}", assets.join("base-image").display());
     let base = images.prepare_rootfs(&image, DISK_MB).unwrap().base_disk;
     let accel = vm::detect_accel(AccelMode::Auto).unwrap();
-    let extension = HookExtension::start();
-    let server = BenchServer::start(&assets, &work, &extension.url);
     let mut load = vec![load_average()];
 
-    // Product: one cold-booted sandbox, and an idle snapshot of it as the template.
-    let id = server.create_cold(&image);
-    std::thread::sleep(SETTLE);
-    let template = format!("bench-template-{}", std::process::id());
-    server.snapshot(&id, &template);
-    // And a template built from the image (`POST /templates`): its RAM is a file that
-    // clones map copy-on-write.
-    let built = format!("bench-built-{}", std::process::id());
-    server.call(
-        "POST",
-        "/templates",
-        Some(json!({"name": built, "image": image, "cpuCount": 1, "memoryMB": 256, "diskSizeMB": DISK_MB})),
-        202,
-    );
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while server.call("GET", &format!("/templates/{built}"), None, 200)["buildStatus"] != "ready" {
-        assert!(Instant::now() < deadline, "template build did not finish");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-
-    // Floor: one cold-booted QEMU saved the same way; its disk becomes the template's. The
-    // floor's long-lived VM (the counterpart of the sandbox) is a clone of it.
+    // Floor: cold-booted QEMU saved idle, twice: once with anonymous RAM (the state file
+    // holds the RAM: the floor of a snapshot used as a template), once with its RAM in a
+    // shared file (the floor of a built template: clones map it copy-on-write).
     let floor = Floor {
         assets: assets.clone(),
         accel,
         cmdline: vm::kernel_cmdline(accel, &["agentenv.port=49983".into()]).unwrap(),
     };
-    let (floor_state, floor_disk) = floor.make_template(&base, &work.join("ft"));
-    let fdir = work.join("fv");
-    let (disk, _) = floor.clone_disk(&floor_disk, &fdir);
-    let (mut fvm, _) = floor.restore(&fdir, &disk, &floor_state);
-    let paused_state = fdir.join("paused.bin");
-    let snap_state = fdir.join("snap.bin");
+    let plain = floor.make_template(&base, &work.join("ft"), false);
+    let ramfile = floor.make_template(&base, &work.join("fr"), true);
 
-    let mut pause = Row::new("pause `POST /sandboxes/{id}/pause` (idle guest)", 100.0);
-    let mut resume = Row::new("resume `POST /sandboxes/{id}/resume` → 201", 150.0);
-    let mut snapshot = Row::new("snapshot `POST /sandboxes/{id}/snapshots` → 201", 150.0);
-    let mut create = Row::new("create from template `POST /sandboxes` → 201", 150.0);
-    create.max_ratio = Some(1.3);
-    let mut create_built = Row::new(
-        "create from a built template (`POST /templates`, RAM file) → 201",
-        150.0,
+    // Phase 1: the server without an extension: create from a built template.
+    let mut create_plain = Row::new(
+        "create from a built template `POST /sandboxes` → 201, no extension",
+        Some(40.0),
     );
-    create_built.max_ratio = Some(1.3);
-    let mut clone_disk = Vec::new();
-    // When start-resume reached the extension, from the request's start.
-    let (mut resume_hook, mut create_hook) = (Vec::new(), Vec::new());
+    {
+        let server = BenchServer::start(&assets, &work.join("s1"), None);
+        let built = server.build_template(&image, "bench-built-1");
+        for i in 0..runs {
+            std::thread::sleep(SETTLE);
+            let (p, f) = alternate(
+                i % 2 == 0,
+                || {
+                    let (clone, took) = server.create_from_template(&built);
+                    server.delete(&clone);
+                    took
+                },
+                || {
+                    let dir = work.join(format!("f1-{i}"));
+                    let (vm, took) = floor.clone_template(&ramfile, &dir);
+                    drop(vm);
+                    std::fs::remove_dir_all(&dir).unwrap();
+                    took
+                },
+            );
+            create_plain.push(p, f);
+            load.push(load_average());
+            eprintln!("phase 1: run {}/{runs} done", i + 1);
+        }
+        server.delete_template(&built);
+        assert_eq!(server.count_snapshots(), 0, "phase 1 left snapshots");
+    }
+
+    // Phase 2: the server with a local extension (start-resume on every create and
+    // resume): the path users take, on one template-derived sandbox per run.
+    let extension = HookExtension::start();
+    let server = BenchServer::start(&assets, &work.join("s2"), Some(&extension.url));
+    let built = server.build_template(&image, "bench-built-2");
+    let mut rows = UserPath::rows();
+    let mut state_bytes = (Vec::new(), Vec::new());
+    let (mut create_hook, mut resume_hook) = (Vec::new(), Vec::new());
     let resumes_before = extension.start_resumes();
-
     for i in 0..runs {
-        let product_first = i % 2 == 0;
-        std::thread::sleep(SETTLE);
-        let (p, f) = alternate(
-            product_first,
-            || server.pause(&id),
-            || fvm.pause(&paused_state),
-        );
-        pause.push(p, f);
-
-        let mut resumed = None;
-        let (p, f) = alternate(
-            product_first,
+        let mut product = None;
+        let mut floor_run = None;
+        alternate(
+            i % 2 == 0,
             || {
-                let t = Instant::now();
-                let took = server.resume(&id);
-                resume_hook.extend(extension.since_start_resume(t));
-                took
+                let (path, bytes, hooks) = server.user_path(&built, &extension);
+                state_bytes.0.push(bytes);
+                create_hook.extend(hooks.0);
+                resume_hook.extend(hooks.1);
+                product = Some(path);
+                0.0
             },
             || {
-                let (vm, took) = floor.restore(&fdir, &disk, &paused_state);
-                resumed = Some(vm);
-                took
+                let (path, bytes) = floor.user_path(&ramfile, &work.join(format!("f2-{i}")));
+                state_bytes.1.push(bytes);
+                floor_run = Some(path);
+                0.0
             },
         );
-        fvm = resumed.expect("the floor VM was restored");
-        resume.push(p, f);
-        let _ = std::fs::remove_file(&paused_state);
+        UserPath::push(&mut rows, &product.unwrap(), &floor_run.unwrap());
+        load.push(load_average());
+        eprintln!("phase 2: run {}/{runs} done", i + 1);
+    }
+    let start_resumes = extension.start_resumes() - resumes_before;
 
+    // Phase 3 (same server): snapshot of a running cold-booted sandbox, and create from
+    // that snapshot used as a template (its RAM is in the state file).
+    let id = server.create_cold(&image);
+    let mut snapshot = Row::new(
+        "snapshot `POST /sandboxes/{id}/snapshots` → 201",
+        Some(150.0),
+    );
+    let mut create_snap = Row::new(
+        "create from a snapshot used as template `POST /sandboxes` → 201",
+        Some(150.0),
+    );
+    let fdir = work.join("f3");
+    let (mut fvm, _) = floor.clone_template(&plain, &fdir);
+    let snap_state = fdir.join("snap.bin");
+    std::thread::sleep(SETTLE);
+    let template = format!("bench-template-{}", std::process::id());
+    server.snapshot(&id, &template);
+    for i in 0..runs {
         std::thread::sleep(SETTLE);
         let name = format!("bench-snap-{}-{i}", std::process::id());
         let (p, f) = alternate(
-            product_first,
+            i % 2 == 0,
             || {
                 let took = server.snapshot(&id, &name);
                 server.delete_template(&name);
@@ -159,52 +178,26 @@ fn main() {
             },
         );
         snapshot.push(p, f);
-
         std::thread::sleep(SETTLE);
         let (p, f) = alternate(
-            product_first,
+            i % 2 == 0,
             || {
-                let t = Instant::now();
                 let (clone, took) = server.create_from_template(&template);
-                create_hook.extend(extension.since_start_resume(t));
                 server.delete(&clone);
                 took
             },
             || {
-                let dir = work.join(format!("fc{i}"));
-                let (disk, disk_ms) = floor.clone_disk(&floor_disk, &dir);
-                clone_disk.push(disk_ms);
-                let (vm, took) = floor.restore(&dir, &disk, &floor_state);
+                let dir = work.join(format!("f3-{i}"));
+                let (vm, took) = floor.clone_template(&plain, &dir);
                 drop(vm);
                 std::fs::remove_dir_all(&dir).unwrap();
                 took
             },
         );
-        create.push(p, f);
-
-        std::thread::sleep(SETTLE);
-        let (p, f) = alternate(
-            product_first,
-            || {
-                let (clone, took) = server.create_from_template(&built);
-                server.delete(&clone);
-                took
-            },
-            || {
-                let dir = work.join(format!("fb{i}"));
-                let (disk, _) = floor.clone_disk(&floor_disk, &dir);
-                let (vm, took) = floor.restore(&dir, &disk, &floor_state);
-                drop(vm);
-                std::fs::remove_dir_all(&dir).unwrap();
-                took
-            },
-        );
-        create_built.push(p, f);
+        create_snap.push(p, f);
         load.push(load_average());
-        eprintln!("run {}/{runs} done", i + 1);
+        eprintln!("phase 3: run {}/{runs} done", i + 1);
     }
-    let start_resumes = extension.start_resumes() - resumes_before;
-
     drop(fvm);
     server.delete(&id);
     server.delete_template(&template);
@@ -217,28 +210,35 @@ fn main() {
 
     println!("| operation | agentenv p50 | agentenv p90 | raw floor p50 | raw floor p90 | ratio (p50) | goal |");
     println!("|---|---|---|---|---|---|---|");
-    for row in [&pause, &resume, &snapshot, &create, &create_built] {
+    let mut all = vec![&create_plain];
+    all.extend(rows.iter());
+    all.extend([&snapshot, &create_snap]);
+    for row in all {
         row.print();
         eprintln!("{}: agentenv {:.0?}", row.name, row.ours);
         eprintln!("{}: floor {:.0?}", row.name, row.floor);
     }
     println!(
-        "| floor only: clone disk (`qemu-img create` overlay, not in the floor above) | | | {:.1} ms | {:.1} ms | | |",
-        median(&clone_disk),
-        p90(&clone_disk)
+        "| state written by the pause after 32 MiB dirtied (MB) | {:.1} | {:.1} | {:.1} | {:.1} | | |",
+        median(&state_bytes.0) / 1e6,
+        p90(&state_bytes.0) / 1e6,
+        median(&state_bytes.1) / 1e6,
+        p90(&state_bytes.1) / 1e6,
     );
     println!();
     println!(
-        "Floors: QEMU by hand (explicit argv like the product's, user-mode NIC) over QMP. \
-         pause = stop + migrate to file + quit (exited); resume and create = spawn with \
-         `-incoming defer` + migrate-incoming + cont + the agent's first answer (create on a \
-         fresh overlay of the floor template's disk); snapshot = stop + migrate to file + cont."
+        "Floors: QEMU by hand (explicit argv like the product's, user-mode NIC) over QMP, \
+         the guest agent over its virtio-serial socket. create = fresh overlay + spawn with \
+         `-incoming defer` + migrate-incoming + cont + the agent's first answer (built \
+         template: RAM mapped copy-on-write from the floor template's RAM file); first \
+         command = `true` through the agent; pause = stop + migrate to file + quit (exited); \
+         resume = as create, from the paused state; snapshot = stop + migrate to file + cont."
     );
     println!(
         "start-resume hooks answered by the local extension: {start_resumes} (expected {}); \
          snapshots left after cleanup: {leftover}; 1-min load average during the run: \
          {:.2}–{:.2}; wall time {:.0} s.",
-        3 * runs,
+        2 * runs,
         load.iter().cloned().fold(f64::INFINITY, f64::min),
         load.iter().cloned().fold(0.0, f64::max),
         started.elapsed().as_secs_f64()
@@ -246,32 +246,92 @@ fn main() {
     println!();
     print_breakdown(&log);
     println!(
+        "| create, start-resume reaches the extension (client clock) | ms {:.0} | {} |",
+        median(&create_hook),
+        create_hook.len()
+    );
+    println!(
         "| resume, start-resume reaches the extension (client clock) | ms {:.0} | {} |",
         median(&resume_hook),
         resume_hook.len()
     );
-    println!(
-        "| create from template, start-resume reaches the extension (client clock) | ms {:.0} | {} |",
-        median(&create_hook),
-        create_hook.len()
-    );
 }
 
-/// One operation: the product's and the floor's times, and the goals.
+/// The steps of the path users take, timed, for one sandbox (product) or VM (floor).
+#[derive(Default)]
+struct UserPath {
+    create: f64,
+    first_command: f64,
+    next_command: f64,
+    create_to_first: f64,
+    pause_idle: f64,
+    resume: f64,
+    resume_to_first: f64,
+    pause_dirty: f64,
+}
+
+impl UserPath {
+    fn rows() -> Vec<Row> {
+        vec![
+            Row::new(
+                "create from a built template → 201, local extension",
+                Some(45.0),
+            ),
+            Row::new("first command (`true`) after that create", Some(15.0)),
+            Row::new("the next command (`true`)", None),
+            Row::new(
+                "**create → first command answer**, extension on",
+                Some(60.0),
+            ),
+            Row::new(
+                "pause `POST /sandboxes/{id}/pause`, idle template-derived sandbox",
+                Some(50.0),
+            ),
+            Row::new("resume → 201, template-derived sandbox", None),
+            Row::new(
+                "**resume → first command answer**, extension on",
+                Some(100.0),
+            ),
+            Row::new("pause after the guest dirtied 32 MiB", Some(100.0)),
+        ]
+    }
+
+    fn push(rows: &mut [Row], ours: &UserPath, floor: &UserPath) {
+        let pick = |p: &UserPath| {
+            [
+                p.create,
+                p.first_command,
+                p.next_command,
+                p.create_to_first,
+                p.pause_idle,
+                p.resume,
+                p.resume_to_first,
+                p.pause_dirty,
+            ]
+        };
+        for ((row, o), f) in rows.iter_mut().zip(pick(ours)).zip(pick(floor)) {
+            row.push(o, f);
+        }
+    }
+}
+
+/// Writes 32 MiB of non-zero data into guest RAM (tmpfs); rewritten on every run.
+const DIRTY_32M: &str = "head -c 1048576 /dev/urandom > /dev/shm/seed && \
+     for i in $(seq 32); do cat /dev/shm/seed; done > /dev/shm/dirty && rm /dev/shm/seed";
+
+/// One operation: the product's and the floor's times, and the goal.
 struct Row {
     name: &'static str,
-    goal_ms: f64,
-    max_ratio: Option<f64>,
+    goal_ms: Option<f64>,
     ours: Vec<f64>,
     floor: Vec<f64>,
 }
 
 impl Row {
-    fn new(name: &'static str, goal_ms: f64) -> Row {
+    fn new(name: &'static str, goal_ms: Option<f64>) -> Row {
         Row {
             name,
             goal_ms,
-            max_ratio: None,
             ours: Vec::new(),
             floor: Vec::new(),
         }
@@ -284,21 +344,17 @@ impl Row {
 
     fn print(&self) {
         let (ours, floor) = (median(&self.ours), median(&self.floor));
-        let ratio = ours / floor;
-        let verdict = |met: bool| if met { "met" } else { "not met" };
-        let mut goal = format!(
-            "≤ {:.0} ms: {}",
-            self.goal_ms,
-            verdict(ours <= self.goal_ms)
-        );
-        if let Some(max) = self.max_ratio {
-            goal.push_str(&format!("; ≤ {max}× floor: {}", verdict(ratio <= max)));
-        }
+        let goal = match self.goal_ms {
+            Some(goal) if ours <= goal => format!("≤ {goal:.0} ms: met"),
+            Some(goal) => format!("≤ {goal:.0} ms: not met"),
+            None => String::new(),
+        };
         println!(
-            "| {} | {ours:.1} ms | {:.1} ms | {floor:.1} ms | {:.1} ms | {ratio:.2}× | {goal} |",
+            "| {} | {ours:.1} ms | {:.1} ms | {floor:.1} ms | {:.1} ms | {:.2}× | {goal} |",
             self.name,
             p90(&self.ours),
             p90(&self.floor),
+            ours / floor,
         );
     }
 }
@@ -425,11 +481,27 @@ struct FloorVm {
     child: Child,
     qmp: Qmp,
     agent: PathBuf,
+    client: Option<AgentClient>,
+}
+
+/// A floor template: the idle VM's state, its (now immutable) disk, and its RAM file when
+/// it ran with one.
+struct FloorTemplate {
+    state: PathBuf,
+    disk: PathBuf,
+    memory: Option<PathBuf>,
 }
 
 impl Floor {
     /// Spawns QEMU in `run` on `disk` with the product's argv shape, and connects QMP.
-    fn spawn(&self, run: &Path, disk: &Path, incoming: bool) -> FloorVm {
+    /// `memory`: the RAM file and whether it is mapped shared (else anonymous RAM).
+    fn spawn(
+        &self,
+        run: &Path,
+        disk: &Path,
+        incoming: bool,
+        memory: Option<(&Path, bool)>,
+    ) -> FloorVm {
         std::fs::create_dir_all(run).unwrap();
         let (qmp_sock, agent) = (run.join("qmp.sock"), run.join("agent.sock"));
         for socket in [&qmp_sock, &agent] {
@@ -459,7 +531,14 @@ impl Floor {
             .args(["-append", &self.cmdline])
             .args([
                 "-object",
-                &format!("memory-backend-ram,id=ram,size={MEMORY_MB}M"),
+                &match memory {
+                    Some((path, shared)) => format!(
+                        "memory-backend-file,id=ram,size={MEMORY_MB}M,mem-path={},share={}",
+                        path.display(),
+                        if shared { "on" } else { "off" }
+                    ),
+                    None => format!("memory-backend-ram,id=ram,size={MEMORY_MB}M"),
+                },
                 "-chardev",
                 &format!(
                     "file,id=console,path={},append=on",
@@ -519,22 +598,72 @@ impl Floor {
             }
             std::thread::sleep(Duration::from_millis(1));
         };
-        let qmp = Qmp::handshake(stream, Duration::from_secs(10)).unwrap();
-        FloorVm { child, qmp, agent }
+        let mut qmp = Qmp::handshake(stream, Duration::from_secs(10)).unwrap();
+        qmp.migrate_set_capabilities(MIGRATION_CAPS).unwrap();
+        FloorVm {
+            child,
+            qmp,
+            agent,
+            client: None,
+        }
     }
 
-    /// Boots a VM cold, lets it go idle and saves it: the floor's template (state, disk).
-    fn make_template(&self, base: &Path, dir: &Path) -> (PathBuf, PathBuf) {
+    /// Boots a VM cold (its RAM in a shared file with `ram_file`), lets it go idle and
+    /// saves it: the floor's template.
+    fn make_template(&self, base: &Path, dir: &Path, ram_file: bool) -> FloorTemplate {
         std::fs::create_dir_all(dir).unwrap();
         let disk = dir.join("disk.qcow2");
         vm::create_overlay(base, &disk, DISK_MB).unwrap();
-        let mut vm = self.spawn(dir, &disk, false);
+        let memory = ram_file.then(|| dir.join("memory.ram"));
+        let mut vm = self.spawn(dir, &disk, false, memory.as_deref().map(|m| (m, true)));
         AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
             .expect("the floor template VM never answered");
         std::thread::sleep(SETTLE);
         let state = dir.join("state.bin");
         vm.pause(&state);
-        (state, disk)
+        FloorTemplate {
+            state,
+            disk,
+            memory,
+        }
+    }
+
+    /// A clone of `template` in `dir`: a fresh overlay, then a restore (RAM mapped
+    /// copy-on-write from the template's RAM file, if it has one), timed from the overlay
+    /// to the agent's first answer.
+    fn clone_template(&self, template: &FloorTemplate, dir: &Path) -> (FloorVm, f64) {
+        let t = Instant::now();
+        let (disk, _) = self.clone_disk(&template.disk, dir);
+        let memory = template.memory.as_deref().map(|m| (m, false));
+        let (vm, _) = self.restore(dir, &disk, &template.state, memory);
+        (vm, ms_since(t))
+    }
+
+    /// The path users take, on one clone of `template` in `dir` (removed at the end): the
+    /// floor of [`BenchServer::user_path`]. Also returns the bytes the dirty pause wrote.
+    fn user_path(&self, template: &FloorTemplate, dir: &Path) -> (UserPath, f64) {
+        let mut p = UserPath::default();
+        let t = Instant::now();
+        let (mut vm, create) = self.clone_template(template, dir);
+        p.create = create;
+        p.first_command = vm.exec("true");
+        p.create_to_first = ms_since(t);
+        p.next_command = vm.exec("true");
+        std::thread::sleep(SETTLE);
+        let paused = dir.join("paused.bin");
+        p.pause_idle = vm.pause(&paused);
+        let disk = dir.join("disk.qcow2");
+        let t = Instant::now();
+        let (mut vm, resume) = self.restore(dir, &disk, &paused, None);
+        p.resume = resume;
+        vm.exec("true");
+        p.resume_to_first = ms_since(t);
+        vm.exec(DIRTY_32M);
+        p.pause_dirty = vm.pause(&paused);
+        let bytes = std::fs::metadata(&paused).unwrap().len() as f64;
+        drop(vm);
+        std::fs::remove_dir_all(dir).unwrap();
+        (p, bytes)
     }
 
     /// A new writable overlay over the (immutable) floor template disk, and its time.
@@ -554,19 +683,52 @@ impl Floor {
     }
 
     /// Restore by hand, timed from spawn to the agent's first answer.
-    fn restore(&self, run: &Path, disk: &Path, state: &Path) -> (FloorVm, f64) {
+    fn restore(
+        &self,
+        run: &Path,
+        disk: &Path,
+        state: &Path,
+        memory: Option<(&Path, bool)>,
+    ) -> (FloorVm, f64) {
         let t = Instant::now();
-        let mut vm = self.spawn(run, disk, true);
+        let mut vm = self.spawn(run, disk, true, memory);
         vm.qmp.migrate_incoming_file(state).unwrap();
         vm.qmp.wait_status("paused", STEP_TIMEOUT).unwrap();
         vm.qmp.cont().unwrap();
-        AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
-            .expect("the floor VM's agent did not answer after a restore");
+        vm.client = Some(
+            AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
+                .expect("the floor VM's agent did not answer after a restore"),
+        );
         (vm, ms_since(t))
     }
 }
 
 impl FloorVm {
+    /// Runs `script` with `sh -c` (or `true` as is) through the agent; its time.
+    fn exec(&self, script: &str) -> f64 {
+        let (cmd, args) = if script == "true" {
+            ("true", vec![])
+        } else {
+            ("sh", vec!["-c".to_string(), script.to_string()])
+        };
+        let t = Instant::now();
+        let result = self
+            .client
+            .as_ref()
+            .expect("the floor VM was restored")
+            .exec(&ExecRequest {
+                cmd: cmd.into(),
+                args,
+                env: Vec::new(),
+                cwd: "/".into(),
+                timeout_ms: 60_000,
+                max_output_bytes: 1 << 16,
+            })
+            .unwrap();
+        assert_eq!(result.exit_code, 0, "floor command {script:?}: {result:?}");
+        ms_since(t)
+    }
+
     /// stop + migrate to `state` until completed; the VM is left stopped.
     fn save(&mut self, state: &Path) {
         self.qmp.stop().unwrap();
@@ -577,6 +739,7 @@ impl FloorVm {
 
     /// Save, then quit and wait for QEMU to exit.
     fn pause(&mut self, state: &Path) -> f64 {
+        self.client = None;
         let t = Instant::now();
         self.save(state);
         self.qmp.quit().unwrap();
@@ -679,7 +842,8 @@ struct BenchServer {
 }
 
 impl BenchServer {
-    fn start(assets: &Path, work: &Path, extension_url: &str) -> BenchServer {
+    fn start(assets: &Path, work: &Path, extension_url: Option<&str>) -> BenchServer {
+        std::fs::create_dir_all(work).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -692,10 +856,12 @@ impl BenchServer {
                 "[server]\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\napi_key = \"{API_KEY}\"\n\
                  [vm]\nassets_dir = \"{}\"\ndefault_memory_mb = {MEMORY_MB}\ndefault_cpu_count = 1\n\
                  default_disk_size_mb = {DISK_MB}\n\
-                 [network]\npool_min = 2\n\
-                 [custom_extension]\nurl = \"{extension_url}\"\n",
+                 [network]\npool_min = 2\n{}",
                 work.join("state").display(),
-                assets.display()
+                assets.display(),
+                extension_url
+                    .map(|url| format!("[custom_extension]\nurl = \"{url}\"\n"))
+                    .unwrap_or_default(),
             ),
         )
         .unwrap();
@@ -770,6 +936,77 @@ impl BenchServer {
             ))
         );
         serde_json::from_str(&text).unwrap_or(Value::Null)
+    }
+
+    /// Builds a template from `image` with `POST /templates` and waits until it is ready.
+    fn build_template(&self, image: &str, name: &str) -> String {
+        self.call(
+            "POST",
+            "/templates",
+            Some(json!({"name": name, "image": image, "cpuCount": 1, "memoryMB": MEMORY_MB, "diskSizeMB": DISK_MB})),
+            202,
+        );
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while self.call("GET", &format!("/templates/{name}"), None, 200)["buildStatus"] != "ready" {
+            assert!(Instant::now() < deadline, "template build did not finish");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        name.to_string()
+    }
+
+    /// Runs `script` (`true` as is, anything else with `sh -c`) in the sandbox; its time.
+    fn command(&self, id: &str, script: &str) -> f64 {
+        let body = if script == "true" {
+            json!({"cmd": "true"})
+        } else {
+            json!({"cmd": "sh", "args": ["-c", script]})
+        };
+        let t = Instant::now();
+        let v = self.call(
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            Some(body),
+            200,
+        );
+        assert_eq!(v["exitCode"], 0, "command {script:?}: {v}");
+        ms_since(t)
+    }
+
+    /// The path users take on a new sandbox from `template`: create, first and next
+    /// command, pause idle, resume and first command, dirty 32 MiB, pause, delete. Also
+    /// the state bytes of the dirty pause (from the server's log) and when start-resume
+    /// reached the extension (create, resume).
+    fn user_path(
+        &self,
+        template: &str,
+        extension: &HookExtension,
+    ) -> (UserPath, f64, (Option<f64>, Option<f64>)) {
+        let mut p = UserPath::default();
+        let t = Instant::now();
+        let (id, create) = self.create_from_template(template);
+        let create_hook = extension.since_start_resume(t);
+        p.create = create;
+        p.first_command = self.command(&id, "true");
+        p.create_to_first = ms_since(t);
+        p.next_command = self.command(&id, "true");
+        std::thread::sleep(SETTLE);
+        p.pause_idle = self.pause(&id);
+        let t = Instant::now();
+        p.resume = self.resume(&id);
+        let resume_hook = extension.since_start_resume(t);
+        self.command(&id, "true");
+        p.resume_to_first = ms_since(t);
+        self.command(&id, DIRTY_32M);
+        p.pause_dirty = self.pause(&id);
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let bytes = log
+            .lines()
+            .rev()
+            .find(|l| l.contains("op=pause frozenMs"))
+            .and_then(|l| field(l, "stateBytes"))
+            .unwrap_or(f64::NAN);
+        self.delete(&id);
+        (p, bytes, (create_hook, resume_hook))
     }
 
     fn create_cold(&self, image: &str) -> String {
