@@ -6,7 +6,9 @@ mod common;
 
 use common::{base_image, Server, API_KEY};
 use serde_json::Value;
-use std::process::{Command, Output};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Output, Stdio};
+use std::time::Instant;
 
 struct Cli<'a> {
     server: &'a Server,
@@ -106,12 +108,13 @@ fn cli_drives_every_subcommand_against_a_real_server() {
         "--",
         "sh",
         "-c",
-        "echo out $WHO; echo err >&2; exit 3",
+        "echo out $WHO; echo err >&2; exit 7",
     ]);
-    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(out.status.code(), Some(7));
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out cli\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
     assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 0);
+    exec_streams_and_says_how_the_command_ended(&cli, &id);
 
     // cp both ways, binary-safe.
     let dir = std::env::temp_dir().join(format!("aenv-cli-{}", std::process::id()));
@@ -268,4 +271,130 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     cli.ok(&["template", "rm", "cli-tpl", "cli-bad"]);
     assert_eq!(cli.json(&["template", "ls"]), Value::Array(vec![]));
     assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
+}
+
+/// `sandbox exec` streams: the command's first line reaches the CLI's stdout while the
+/// command still runs (it waits for a file the test creates only after reading that
+/// line), then signals, `--timeout`, a command that cannot start, `--stdin`.
+fn exec_streams_and_says_how_the_command_ended(cli: &Cli, id: &str) {
+    let started = Instant::now();
+    let mut child = cli
+        .command(&[
+            "sandbox",
+            "exec",
+            id,
+            "--",
+            "sh",
+            "-c",
+            "echo first; i=0; while [ ! -e /tmp/cli-go ] && [ $i -lt 600 ]; do \
+             sleep 0.1; i=$((i+1)); done; sleep 2; echo second; echo late >&2; exit 4",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    let first_output = started.elapsed();
+    assert_eq!(first, "first\n");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the CLI ended before the command was let go"
+    );
+    eprintln!(
+        "exec: first line after {} ms (CLI start to first output)",
+        first_output.as_millis()
+    );
+    // Another exec lets the first command go on.
+    assert_eq!(
+        cli.code(&["sandbox", "exec", id, "--", "touch", "/tmp/cli-go"]),
+        0
+    );
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(rest, "second\n");
+    assert_eq!(err, "late\n");
+    assert_eq!(child.wait().unwrap().code(), Some(4));
+
+    // A signal: 128 + N, like a shell.
+    let out = cli.run(&["sandbox", "exec", id, "--", "sh", "-c", "kill -TERM $$"]);
+    assert_eq!(out.status.code(), Some(143), "{out:?}");
+    // --timeout kills the command: 124.
+    let out = cli.run(&["sandbox", "exec", id, "--timeout", "1", "--", "sleep", "30"]);
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
+    // A command that cannot be started: 127, and why.
+    let out = cli.run(&["sandbox", "exec", id, "--", "/no/such/program"]);
+    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("could not be started"),
+        "{out:?}"
+    );
+    // Another user's view: --user.
+    assert_eq!(
+        cli.ok(&["sandbox", "exec", id, "--user", "user", "--", "id", "-un"]),
+        "user\n"
+    );
+    // --json: one object at the end.
+    let out = cli.run(&[
+        "--json",
+        "sandbox",
+        "exec",
+        id,
+        "--",
+        "sh",
+        "-c",
+        "echo o; echo e >&2; exit 2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["exitCode"], 2);
+    assert_eq!(v["stdout"], "o\n");
+    assert_eq!(v["stderr"], "e\n");
+    // --stdin: the client's stdin reaches the command, EOF included.
+    let mut child = cli
+        .command(&[
+            "sandbox",
+            "exec",
+            id,
+            "--stdin",
+            "--",
+            "sh",
+            "-c",
+            "wc -c; cat >&2",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&[b'x'; 100_000])
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100000");
+    assert!(out.stderr.is_empty());
+    // A sandbox that does not exist: 4.
+    assert_eq!(
+        cli.code(&[
+            "sandbox",
+            "exec",
+            "0190d5a0-0000-7000-8000-000000000000",
+            "--",
+            "true"
+        ]),
+        4
+    );
 }

@@ -5,7 +5,15 @@
 use super::CliError;
 
 /// Options that take no value.
-const SWITCHES: &[&str] = &["--json", "--help", "-h", "--no-auto-pause", "--no-wait"];
+const SWITCHES: &[&str] = &[
+    "--json",
+    "--help",
+    "-h",
+    "--no-auto-pause",
+    "--no-wait",
+    "--stdin",
+    "-i",
+];
 
 pub struct Args {
     options: Vec<(String, Option<String>)>,

@@ -66,6 +66,7 @@ pub struct Target {
 const INSTALLED_CONFIG: &str = "/etc/agentenv/config.toml";
 
 /// A connection to one agentenv server.
+#[derive(Clone)]
 pub struct Client {
     base: String,
     key: Result<String, String>,
@@ -179,7 +180,8 @@ impl Client {
     }
 }
 
-fn api_error(status: u16, resp: ureq::Response) -> CliError {
+/// An error answer as a [`CliError`], with the message of its JSON body.
+pub fn api_error(status: u16, resp: ureq::Response) -> CliError {
     let text = resp.into_string().unwrap_or_default();
     let message = serde_json::from_str::<Value>(&text)
         .ok()

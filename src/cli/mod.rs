@@ -4,11 +4,12 @@
 
 mod args;
 mod client;
+mod exec;
 
 use args::Args;
 pub use client::{CliError, Client, Target};
 use serde_json::{json, Map, Value};
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Read};
 use std::time::{Duration, Instant};
 
 pub const USAGE: &str = "\
@@ -19,7 +20,8 @@ usage: agentenv [--url URL] [--api-key KEY] [--config PATH] [--json] COMMAND ...
                  [--params JSON]
   sandbox ls [--state running,paused] [--metadata K=V]...
   sandbox info ID
-  sandbox exec ID [--env K=V]... [--cwd DIR] [--timeout SECS] -- CMD [ARG]...
+  sandbox exec ID [--env K=V]... [--cwd DIR] [--timeout SECS] [--user NAME] [--stdin]
+                 -- CMD [ARG]...  (output streams; exits with the command's code)
   sandbox cp SRC DST            (one of them ID:/abs/path; - is stdin/stdout)
   sandbox pause ID...
   sandbox resume ID [--timeout SECS]
@@ -38,7 +40,8 @@ The server: --url, else AENV_URL, else the local config's listen address.
 The key: --api-key, else AENV_API_KEY, else the local config's key or <state_dir>/api-key.
 Exit codes: 0 ok, 1 local file error, 2 usage, 3 server unreachable, 4 not found,
 5 wrong state (409), 6 no or wrong API key, 7 request refused (other 4xx),
-8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code.
+8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code,
+128+N after signal N, 124 after --timeout, 127 when the command could not be started.
 
 The server itself: agentenv serve [--config PATH]; agentenv --version; docs/operations.md.";
 
@@ -305,54 +308,29 @@ fn sandbox_info(c: &Client, out: &Output, a: &mut Args) -> Result<u8, CliError> 
 fn sandbox_exec(c: &Client, out: &Output, a: &mut Args) -> Result<u8, CliError> {
     let env = pairs(a, "--env")?;
     let cwd = a.value("--cwd")?;
-    let timeout = number(a, "--timeout")?;
+    let timeout_secs = number(a, "--timeout")?;
+    let user = a.value("--user")?.unwrap_or_else(|| "root".into());
+    let stdin = a.flag("--stdin") | a.flag("-i");
     a.finish()?;
     let mut words = std::mem::take(&mut a.positional).into_iter();
-    let (Some(id), Some(cmd)) = (words.next(), words.next()) else {
+    let (Some(sandbox), Some(cmd)) = (words.next(), words.next()) else {
         return Err(CliError::Usage(
-            "usage: sandbox exec ID [--env K=V] [--cwd DIR] [--timeout SECS] -- CMD [ARG]..."
+            "usage: sandbox exec ID [--env K=V] [--cwd DIR] [--timeout SECS] [--user NAME] \
+             [--stdin] -- CMD [ARG]..."
                 .into(),
         ));
     };
-    let mut body = json!({"cmd": cmd, "args": words.collect::<Vec<_>>(), "env": env});
-    if let Some(d) = cwd {
-        body["cwd"] = json!(d);
-    }
-    if let Some(t) = timeout {
-        body["timeoutMs"] = json!(t.saturating_mul(1000));
-    }
-    // The API answers when the command has ended (api.md §4.17): its output is written as
-    // soon as that answer arrives, stdout and stderr each to its own stream.
-    let (v, _) = c.json(
-        "POST",
-        &format!("/sandboxes/{}/commands", client::encode(&id)),
-        Some(&body),
-    )?;
-    let code = v.get("exitCode").and_then(Value::as_i64).unwrap_or(1);
-    if out.json {
-        out.json(&v);
-    } else {
-        let text = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
-        let _ = std::io::stdout().write_all(text("stdout").as_bytes());
-        let _ = std::io::stdout().flush();
-        let _ = std::io::stderr().write_all(text("stderr").as_bytes());
-        for (flag, what) in [
-            (
-                "stdoutTruncated",
-                "stdout was cut at the server's output cap",
-            ),
-            (
-                "stderrTruncated",
-                "stderr was cut at the server's output cap",
-            ),
-            ("timedOut", "the command timed out and was killed"),
-        ] {
-            if v.get(flag).and_then(Value::as_bool) == Some(true) {
-                eprintln!("agentenv: {what}");
-            }
-        }
-    }
-    Ok(code.clamp(0, 255) as u8)
+    let e = exec::Exec {
+        sandbox,
+        cmd,
+        args: words.collect(),
+        env,
+        cwd,
+        timeout_secs,
+        user,
+        stdin,
+    };
+    exec::run(c, &e, out.json)
 }
 
 /// `ID:/path` → (id, path).

@@ -197,7 +197,8 @@ pub struct End {
     pub error: Option<String>,
 }
 
-fn signal_name(sig: i32) -> String {
+/// The name Go gives a signal in a `ProcessState` ("killed", "terminated", or "signal N").
+pub fn signal_name(sig: i32) -> String {
     let name = match sig {
         libc::SIGHUP => "hangup",
         libc::SIGINT => "interrupt",
