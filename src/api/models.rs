@@ -15,12 +15,12 @@ pub fn sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
 fn identity(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = json!({
         "sandboxID": info.id,
-        "templateID": info.template_id,
+        "templateID": info.settings.template_id,
         "clientID": "",
         "envdVersion": envd_version,
         "hostInteractionIp": info.host_ip.to_string(),
     });
-    if let Some(alias) = &info.alias {
+    if let Some(alias) = &info.settings.alias {
         v["alias"] = json!(alias);
     }
     v
@@ -40,10 +40,10 @@ pub fn listed_sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
     let extra = json!({
         "startedAt": rfc3339(info.started_at),
         "endAt": rfc3339(info.end_at),
-        "cpuCount": info.cpu_count,
-        "memoryMB": info.memory_mb,
-        "diskSizeMB": info.disk_size_mb,
-        "metadata": info.metadata,
+        "cpuCount": info.settings.resources.cpu_count,
+        "memoryMB": info.settings.resources.memory_mb,
+        "diskSizeMB": info.settings.resources.disk_size_mb,
+        "metadata": info.settings.metadata,
         "state": info.state.api_state().unwrap_or("running"),
         "networkNamespacePath": info.netns_path.display().to_string(),
     });
@@ -55,10 +55,13 @@ pub fn listed_sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
 pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = listed_sandbox(info, envd_version);
     with_token(&mut v, info);
-    v["allowInternetAccess"] = json!(info.internet_access);
+    v["allowInternetAccess"] = json!(info.settings.internet_access);
+    if let Some(violation) = &info.guest_protocol_violation {
+        v["guestProtocolViolation"] = json!(violation);
+    }
     v["lifecycle"] = json!({
         "autoResume": false,
-        "onTimeout": if info.auto_pause { "pause" } else { "kill" },
+        "onTimeout": if info.settings.auto_pause { "pause" } else { "kill" },
     });
     v
 }
@@ -75,9 +78,9 @@ pub fn snapshot_info(r: &SnapshotRecord) -> Value {
         "snapshotID": r.id,
         "names": r.name.iter().collect::<Vec<_>>(),
         "sandboxID": r.sandbox_id,
-        "cpuCount": r.cpu_count,
-        "memoryMB": r.memory_mb,
-        "diskSizeMB": r.disk_size_mb,
+        "cpuCount": r.settings.resources.cpu_count,
+        "memoryMB": r.settings.resources.memory_mb,
+        "diskSizeMB": r.settings.resources.disk_size_mb,
         "createdAt": rfc3339(r.created_at),
         "updatedAt": rfc3339(r.created_at),
     })
@@ -95,11 +98,16 @@ pub fn template(
         (None, None) => return json!({}),
     };
     let names = vec![name.unwrap_or_else(|| id.clone())];
-    let (cpu, mem, disk) = match (build, snapshot) {
-        (Some(b), _) => (b.cpu_count, b.memory_mb, b.disk_size_mb),
-        (None, Some(s)) => (s.cpu_count, s.memory_mb, s.disk_size_mb),
+    let resources = match (build, snapshot) {
+        (Some(b), _) => b.resources,
+        (None, Some(s)) => s.settings.resources,
         (None, None) => unreachable!(),
     };
+    let (cpu, mem, disk) = (
+        resources.cpu_count,
+        resources.memory_mb,
+        resources.disk_size_mb,
+    );
     let created = build
         .map(|b| b.created_at)
         .or(snapshot.map(|s| s.created_at))

@@ -2,7 +2,10 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::{models, query, ApiError, Context, Reply};
-use crate::orchestrator::{ColdStart, CommandRequest, FromSnapshot, SandboxInfo, TemplateRequest};
+use crate::orchestrator::{
+    ColdStart, CommandRequest, FromSnapshot, Resources, SandboxInfo, SandboxRequest,
+    TemplateRequest,
+};
 use crate::util::is_uuid;
 use serde_json::{json, Value};
 use std::io::Read;
@@ -197,15 +200,7 @@ fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
 }
 
 /// The fields every create shares (api.md §4.2), checked in one place.
-struct CreateFields {
-    timeout_secs: u64,
-    auto_pause: bool,
-    metadata: std::collections::BTreeMap<String, String>,
-    env_vars: std::collections::BTreeMap<String, String>,
-    allow_internet_access: Option<bool>,
-}
-
-fn create_fields(ctx: &Context, f: &Fields) -> Result<CreateFields, ApiError> {
+fn create_fields(ctx: &Context, f: &Fields) -> Result<SandboxRequest, ApiError> {
     let timeout_secs = f
         .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
         .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs);
@@ -214,7 +209,7 @@ fn create_fields(ctx: &Context, f: &Fields) -> Result<CreateFields, ApiError> {
     let env_vars = f.string_map("envVars")?;
     check_env("envVars", &env_vars)?;
     reject_unsupported(f)?;
-    Ok(CreateFields {
+    Ok(SandboxRequest {
         timeout_secs,
         auto_pause,
         metadata,
@@ -241,7 +236,7 @@ fn internet_access(ctx: &Context, f: &Fields) -> Result<Option<bool>, ApiError> 
 fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
     let template = f.required_str("templateID")?.to_string();
-    let common = create_fields(ctx, &f)?;
+    let request = create_fields(ctx, &f)?;
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
         .int_in("cpuCount", 1..=host.cpus as u64)?
@@ -252,12 +247,8 @@ fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiEr
     let params = params_field(&f)?;
     let info = ctx.orchestrator.create_from_snapshot(FromSnapshot {
         template,
-        timeout_secs: common.timeout_secs,
-        auto_pause: common.auto_pause,
-        metadata: common.metadata,
-        env_vars: common.env_vars,
+        request,
         params,
-        allow_internet_access: common.allow_internet_access,
         cpu_count,
         memory_mb,
     })?;
@@ -265,7 +256,7 @@ fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiEr
 }
 
 /// `cpuCount`, `memoryMB` and `diskSizeMB` of a boot from an image (api.md §4.3).
-fn resources(ctx: &Context, f: &Fields) -> Result<(u32, u32, u32), ApiError> {
+fn resources(ctx: &Context, f: &Fields) -> Result<Resources, ApiError> {
     let cfg = ctx.orchestrator.config();
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
@@ -282,7 +273,11 @@ fn resources(ctx: &Context, f: &Fields) -> Result<(u32, u32, u32), ApiError> {
             "diskSizeMB must be at least 1024 and a multiple of 1024",
         ));
     }
-    Ok((cpu_count, memory_mb, disk_size_mb as u32))
+    Ok(Resources {
+        cpu_count,
+        memory_mb,
+        disk_size_mb: disk_size_mb as u32,
+    })
 }
 
 fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
@@ -291,20 +286,14 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     if image.is_empty() {
         return Err(ApiError::bad_request("image must not be empty"));
     }
-    let (cpu_count, memory_mb, disk_size_mb) = resources(ctx, &f)?;
-    let common = create_fields(ctx, &f)?;
-    let custom_extension_params = extension_params(ctx, &f)?;
+    let resources = resources(ctx, &f)?;
+    let request = create_fields(ctx, &f)?;
+    let params = extension_params(ctx, &f)?;
     let info = ctx.orchestrator.create_cold(ColdStart {
         image,
-        cpu_count,
-        memory_mb,
-        disk_size_mb,
-        timeout_secs: common.timeout_secs,
-        auto_pause: common.auto_pause,
-        metadata: common.metadata,
-        env_vars: common.env_vars,
-        custom_extension_params,
-        allow_internet_access: common.allow_internet_access,
+        resources,
+        request,
+        params,
     })?;
     Ok(created(ctx, &info, 201))
 }
@@ -321,7 +310,9 @@ fn metadata_matches(
     info: &SandboxInfo,
     filter: &std::collections::BTreeMap<String, String>,
 ) -> bool {
-    filter.iter().all(|(k, v)| info.metadata.get(k) == Some(v))
+    filter
+        .iter()
+        .all(|(k, v)| info.settings.metadata.get(k) == Some(v))
 }
 
 fn list_running(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
@@ -594,9 +585,7 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     let build = ctx.orchestrator.submit_template(TemplateRequest {
         name,
         image,
-        cpu_count: resources.0,
-        memory_mb: resources.1,
-        disk_size_mb: resources.2,
+        resources,
         start_cmd,
         env_vars,
     })?;

@@ -4,8 +4,8 @@
 //! client holding it learns "was not found" (E2B's answer for a sandbox that is gone)
 //! while a client without it learns nothing.
 
+use super::registry::Registry;
 use super::sandbox::{SandboxEntry, SandboxState};
-use super::Shared;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::net::Ipv4Addr;
@@ -61,9 +61,9 @@ impl GoneTokens {
 }
 
 /// The route of `id` now.
-pub(crate) fn route(shared: &Shared, id: &str) -> EnvdRoute {
-    let Ok(entry) = shared.entry(id) else {
-        return match shared.gone.token(id) {
+pub(crate) fn route(registry: &Registry, id: &str) -> EnvdRoute {
+    let Ok(entry) = registry.entry(id) else {
+        return match registry.gone_token(id) {
             Some(token) => EnvdRoute::NotRunning { token },
             None => EnvdRoute::Unknown,
         };
@@ -83,7 +83,11 @@ fn route_of(entry: &SandboxEntry) -> EnvdRoute {
             token: info.envd_access_token,
             host_ip: info.host_ip,
             instance,
-            env: super::merged_env(&info.image_env, &info.env_vars, &Default::default()),
+            env: super::merged_env(
+                &info.settings.image_env,
+                &info.settings.env_vars,
+                &Default::default(),
+            ),
         }),
         _ => EnvdRoute::NotRunning {
             token: info.envd_access_token,
@@ -92,8 +96,8 @@ fn route_of(entry: &SandboxEntry) -> EnvdRoute {
 }
 
 /// Whether `instance` still runs `id` (a long stream checks this while the guest is quiet).
-pub(crate) fn instance_alive(shared: &Shared, id: &str, instance: u64) -> bool {
-    matches!(route(shared, id), EnvdRoute::Running(t) if t.instance == instance)
+pub(crate) fn instance_alive(registry: &Registry, id: &str, instance: u64) -> bool {
+    matches!(route(registry, id), EnvdRoute::Running(t) if t.instance == instance)
 }
 
 #[cfg(test)]

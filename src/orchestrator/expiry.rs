@@ -5,7 +5,8 @@
 //! exponential backoff, not every second.
 
 use super::operations::pause;
-use super::{delete, SandboxState, Shared};
+use super::registry::Registry;
+use super::{delete, SandboxState};
 use crate::hooks::StopReason;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -64,23 +65,23 @@ impl Backoff {
     }
 }
 
-pub(crate) fn spawn(shared: Weak<Shared>) {
+pub(crate) fn spawn(registry: Weak<Registry>) {
     let backoff = Arc::new(Mutex::new(Backoff::default()));
     std::thread::Builder::new()
         .name("expiry".into())
         .spawn(move || loop {
             std::thread::sleep(CHECK_INTERVAL);
-            let Some(shared) = shared.upgrade() else {
+            let Some(registry) = registry.upgrade() else {
                 return;
             };
             let now = SystemTime::now();
-            let expired = expired(&shared, now);
+            let expired = expired(&registry, now);
             backoff.lock().keep_only(&expired);
             for (id, auto_pause) in expired {
                 if !backoff.lock().start(&id, now) {
                     continue;
                 }
-                let shared = shared.clone();
+                let registry = registry.clone();
                 // Each expiry runs on its own thread so a slow teardown never delays
                 // another sandbox's expiry.
                 let spawned = std::thread::Builder::new().name("expire".into()).spawn({
@@ -88,9 +89,9 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
                     let backoff = backoff.clone();
                     move || {
                         let result = if auto_pause {
-                            pause(&shared, &id, StopReason::TimeoutPause).map(|()| "paused")
+                            pause(&registry, &id, StopReason::TimeoutPause).map(|()| "paused")
                         } else {
-                            delete(&shared, &id, StopReason::TimeoutKill).map(|()| "deleted")
+                            delete(&registry, &id, StopReason::TimeoutKill).map(|()| "deleted")
                         };
                         backoff.lock().done(&id, result.is_ok(), SystemTime::now());
                         match result {
@@ -110,15 +111,14 @@ pub(crate) fn spawn(shared: Weak<Shared>) {
         .expect("spawn expiry thread");
 }
 
-fn expired(shared: &Shared, now: SystemTime) -> Vec<(String, bool)> {
-    shared
-        .sandboxes
-        .read()
-        .values()
+fn expired(registry: &Registry, now: SystemTime) -> Vec<(String, bool)> {
+    registry
+        .entries()
+        .iter()
         .filter_map(|e| {
             let info = e.info.lock();
             (info.state == SandboxState::Running && info.end_at <= now)
-                .then(|| (info.id.clone(), info.auto_pause))
+                .then(|| (info.id.clone(), info.settings.auto_pause))
         })
         .collect()
 }

@@ -106,32 +106,10 @@ pub(crate) fn admit_within<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::orchestrator::sandbox::SandboxInfo;
     use std::sync::Arc;
 
     fn entry(state: SandboxState) -> SandboxEntry {
-        let info = SandboxInfo {
-            id: "s".into(),
-            template_id: "t".into(),
-            alias: None,
-            started_at: std::time::SystemTime::now(),
-            end_at: std::time::SystemTime::now(),
-            cpu_count: 1,
-            memory_mb: 128,
-            disk_size_mb: 1024,
-            metadata: Default::default(),
-            env_vars: Default::default(),
-            image_env: vec![],
-            auto_pause: true,
-            internet_access: false,
-            timeout_secs: 1,
-            custom_extension_params: serde_json::json!({}),
-            state,
-            host_ip: std::net::Ipv4Addr::LOCALHOST,
-            netns_path: "/x".into(),
-            envd_access_token: String::new(),
-        };
-        SandboxEntry::new(info, None)
+        SandboxEntry::new(crate::orchestrator::fakes::info("s", state), None)
     }
 
     #[test]

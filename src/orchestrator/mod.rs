@@ -10,18 +10,25 @@ mod admission;
 mod envd;
 mod error;
 mod expiry;
+#[cfg(test)]
+mod fakes;
 mod lifecycle;
 mod metrics;
 mod operations;
 mod records;
+mod registry;
 mod sandbox;
+mod settings;
+mod sides;
 mod snapshots;
+mod start;
 mod supervisor;
 mod templates;
 
 pub use envd::{EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
+pub use settings::{Resources, SandboxRequest, SandboxSettings};
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, TemplateBuild, TemplateRequest};
 
@@ -33,28 +40,21 @@ use crate::net::SlotManager;
 use crate::vm::Accel;
 use lifecycle::{admit, Admitted};
 use metrics::OperationCounters;
-use parking_lot::RwLock;
-use sandbox::{Op, SandboxEntry};
+use registry::Registry;
+use sandbox::SandboxEntry;
+use start::Launcher;
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-/// A cold start request, already checked field by field by the API.
+/// `POST /sandboxes-cold`, checked field by field by the API.
 #[derive(Debug, Clone)]
 pub struct ColdStart {
     pub image: String,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
-    pub timeout_secs: u64,
-    pub auto_pause: bool,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
-    pub custom_extension_params: serde_json::Value,
-    /// `None`: the server default (`[network] outbound`).
-    pub allow_internet_access: Option<bool>,
+    pub resources: Resources,
+    pub request: SandboxRequest,
+    pub params: serde_json::Value,
 }
 
 /// The answer to connect/resume: the sandbox, and whether it was resumed (201) or only
@@ -68,13 +68,10 @@ pub struct Connected {
 #[derive(Debug, Clone)]
 pub struct FromSnapshot {
     pub template: String,
-    pub timeout_secs: u64,
-    pub auto_pause: bool,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
+    pub request: SandboxRequest,
     /// `null`/`{}` inherit the snapshot's params (custom-extension.md §10.5).
     pub params: serde_json::Value,
-    pub allow_internet_access: Option<bool>,
+    /// Must equal the snapshot's when given: a restore cannot change them.
     pub cpu_count: Option<u32>,
     pub memory_mb: Option<u32>,
 }
@@ -97,55 +94,18 @@ pub struct HostLimits {
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// State shared by the API threads, supervisors and the expiry thread.
+/// What the orchestrator's operations share. Each operation takes only the parts it
+/// needs: the [`Registry`] for anything on an existing sandbox, the [`Launcher`] to start
+/// a VM, the snapshot store, the image store.
 pub(crate) struct Shared {
     pub config: Config,
-    pub slots: Arc<SlotManager>,
-    pub hooks: Arc<HookClient>,
+    pub registry: Arc<Registry>,
+    pub launcher: Arc<Launcher>,
     pub images: ImageStore,
-    pub accel: Accel,
-    pub sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
     pub snapshots: snapshots::Snapshots,
     pub builds: templates::Builds,
     pub operations: OperationCounters,
     pub shutting_down: AtomicBool,
-    /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
-    pub gone: envd::GoneTokens,
-    /// Memory and vCPUs of running VMs, bounded (`[admission]`).
-    pub admission: Arc<admission::Admission>,
-}
-
-impl Shared {
-    pub fn sandboxes_dir(&self) -> PathBuf {
-        self.config.server.state_dir.join("sandboxes")
-    }
-
-    /// A registered sandbox, visible or not.
-    pub fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
-        self.sandboxes
-            .read()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| OrchError::sandbox_not_found(id))
-    }
-
-    /// Forgets a sandbox whose VM died on its own (the supervisor tears it down).
-    pub fn forget_dead(&self, id: &str) {
-        if let Some(entry) = self.unregister(id) {
-            entry.runtime.lock().take();
-            let mut info = entry.info.lock();
-            info.state = SandboxState::Deleting;
-        }
-    }
-
-    /// Removes a sandbox from the registry; later calls see 404.
-    pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
-        let entry = self.sandboxes.write().remove(id);
-        if let Some(entry) = &entry {
-            self.gone.remember(id, &entry.info.lock().envd_access_token);
-        }
-        entry
-    }
 }
 
 pub struct Orchestrator {
@@ -166,7 +126,8 @@ impl Orchestrator {
             crate::image::ImageOptions::from(&config.images),
         );
         let snapshots = snapshots::Snapshots::load(config.server.state_dir.join("snapshots"));
-        let sandboxes = load_sandboxes(&config.server.state_dir.join("sandboxes"));
+        let sandboxes_dir = config.server.state_dir.join("sandboxes");
+        let sandboxes = load_sandboxes(&sandboxes_dir);
         let builds = templates::Builds::load(config.server.state_dir.join("templates"));
         // Build sandboxes are internal and never survive a restart (their builds became
         // `error` above); their disks go.
@@ -181,21 +142,26 @@ impl Orchestrator {
             crate::sys::fs::total_memory_mb(),
             crate::sys::fs::online_cpus(),
         ));
-        let shared = Arc::new(Shared {
-            admission,
-            config,
+        let launcher = Launcher::new(
+            &config,
             slots,
             hooks,
-            images,
+            Arc::new(sides::QemuMachines),
+            admission,
             accel,
-            sandboxes: RwLock::new(sandboxes),
+        );
+        let registry = Arc::new(Registry::new(sandboxes_dir, sandboxes));
+        expiry::spawn(Arc::downgrade(&registry));
+        let shared = Arc::new(Shared {
+            config,
+            registry,
+            launcher: Arc::new(launcher),
+            images,
             snapshots,
             builds,
             operations: OperationCounters::default(),
             shutting_down: AtomicBool::new(false),
-            gone: envd::GoneTokens::default(),
         });
-        expiry::spawn(Arc::downgrade(&shared));
         Orchestrator { shared }
     }
 
@@ -225,44 +191,45 @@ impl Orchestrator {
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
     pub fn create_cold(&self, req: ColdStart) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::create_cold(&self.shared, req);
+        let shared = &self.shared;
+        let result =
+            operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req);
         self.shared.operations.record("create_cold", result.is_ok());
         result
     }
 
     /// A visible sandbox's description.
     pub fn get(&self, id: &str) -> Result<SandboxInfo, OrchError> {
-        let entry = self.entry(id)?;
-        let info = entry.info.lock().clone();
-        Ok(info)
+        Ok(described(&*self.entry(id)?))
     }
 
     /// The last `lines` lines of a visible sandbox's guest console (api.md §4.20); empty
     /// when the guest has written nothing yet.
     pub fn console_tail(&self, id: &str, lines: usize) -> Result<String, OrchError> {
         self.entry(id)?;
-        let path = self.shared.sandboxes_dir().join(id).join("console.log");
+        let path = self.shared.registry.dir(id).join("console.log");
         Ok(crate::vm::tail_lines(&path, lines))
     }
 
     /// Every visible sandbox.
     pub fn list(&self) -> Vec<SandboxInfo> {
-        let entries: Vec<_> = self.shared.sandboxes.read().values().cloned().collect();
-        entries
+        self.shared
+            .registry
+            .entries()
             .iter()
-            .map(|e| e.info.lock().clone())
+            .map(|e| described(e))
             .filter(|i| i.state.api_state().is_some())
             .collect()
     }
 
     fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
-        self.shared.entry(id)
+        self.shared.registry.entry(id)
     }
 
     /// `DELETE /sandboxes/{id}`: invisible at once, then the supervisor tears down.
     pub fn delete(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = delete(&self.shared, id, StopReason::Delete);
+        let result = delete(&self.shared.registry, id, StopReason::Delete);
         self.shared.operations.record("delete", result.is_ok());
         result
     }
@@ -281,7 +248,8 @@ impl Orchestrator {
     /// paused one is resumed (custom-extension.md §5.5).
     pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::resume(&self.shared, id, secs, is_connect);
+        let shared = &self.shared;
+        let result = operations::resume(&shared.registry, &shared.launcher, id, secs, is_connect);
         if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
             self.shared.operations.record("resume", result.is_ok());
         }
@@ -291,7 +259,7 @@ impl Orchestrator {
     /// `POST …/pause`: 204 once paused; a paused sandbox answers 204 with no hooks.
     pub fn pause(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::pause(&self.shared, id, StopReason::Pause);
+        let result = operations::pause(&self.shared.registry, id, StopReason::Pause);
         self.shared.operations.record("pause", result.is_ok());
         result
     }
@@ -299,7 +267,8 @@ impl Orchestrator {
     /// `POST …/snapshots`.
     pub fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRecord, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::snapshot(&self.shared, id, name);
+        let shared = &self.shared;
+        let result = operations::snapshot(&shared.registry, &shared.snapshots, id, name);
         self.shared.operations.record("snapshot", result.is_ok());
         result
     }
@@ -390,9 +359,10 @@ impl Orchestrator {
             self.shared.snapshots.lookup(&req.template).ok_or_else(|| {
                 OrchError::BadRequest(format!("template {} not found", req.template))
             })?;
+        let resources = snap.settings.resources;
         for (field, asked, has) in [
-            ("cpuCount", req.cpu_count, snap.cpu_count),
-            ("memoryMB", req.memory_mb, snap.memory_mb),
+            ("cpuCount", req.cpu_count, resources.cpu_count),
+            ("memoryMB", req.memory_mb, resources.memory_mb),
         ] {
             if asked.is_some_and(|a| a != has) {
                 return Err(OrchError::BadRequest(format!(
@@ -400,34 +370,33 @@ impl Orchestrator {
                 )));
             }
         }
+        let launcher = &self.shared.launcher;
         let params = if is_empty_params(&req.params) {
-            snap.params.clone()
-        } else if !self.shared.hooks.enabled() {
-            return Err(operations::hook_error(crate::hooks::HookError::Disabled));
+            snap.settings.custom_extension_params.clone()
+        } else if !launcher.hooks.enabled() {
+            return Err(start::hook_error(crate::hooks::HookError::Disabled));
         } else {
             req.params.clone()
         };
-        let mut env_vars = snap.env_vars.clone();
-        env_vars.extend(req.env_vars);
-        let internet_access =
-            self.shared.config.network.outbound && req.allow_internet_access != Some(false);
+        let mut env_vars = snap.settings.env_vars.clone();
+        env_vars.extend(req.request.env_vars.clone());
+        let settings = SandboxSettings {
+            template_id: snap.id.clone(),
+            alias: snap.name.clone(),
+            resources,
+            timeout_secs: req.request.timeout_secs,
+            auto_pause: req.request.auto_pause,
+            internet_access: req.request.internet_access(launcher.outbound),
+            metadata: req.request.metadata,
+            env_vars,
+            image_env: snap.settings.image_env.clone(),
+            custom_extension_params: params,
+        };
         let info = operations::clone_from_capture(
-            &self.shared,
+            &self.shared.registry,
+            launcher,
             &snap.capture,
-            operations::SandboxSpec {
-                template_id: snap.id.clone(),
-                alias: snap.name.clone(),
-                timeout_secs: req.timeout_secs,
-                auto_pause: req.auto_pause,
-                metadata: req.metadata,
-                env_vars,
-                image_env: snap.image_env.clone(),
-                params,
-                internet_access,
-                cpu_count: snap.cpu_count,
-                memory_mb: snap.memory_mb,
-                disk_size_mb: snap.disk_size_mb,
-            },
+            settings,
         )?;
         self.shared.snapshots.note_spawn(&snap.id);
         Ok(info)
@@ -442,14 +411,22 @@ impl Orchestrator {
         timeout_secs: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::fork(&self.shared, id, count, timeout_secs);
+        let shared = &self.shared;
+        let result = operations::fork(
+            &shared.registry,
+            &shared.launcher,
+            &shared.snapshots,
+            id,
+            count,
+            timeout_secs,
+        );
         self.shared.operations.record("fork", result.is_ok());
         result
     }
 
     /// Whether a custom extension is configured.
     pub fn extension_enabled(&self) -> bool {
-        self.shared.hooks.enabled()
+        self.shared.launcher.hooks.enabled()
     }
 
     /// `PATCH …/custom-extension-params` (custom-extension.md §10.11, after the body checks): 404, 409 when
@@ -463,8 +440,9 @@ impl Orchestrator {
         self.refuse_when_shutting_down()?;
         let entry = self.entry(id)?;
         admit(&entry, id, Call::PatchParams)?;
-        if !self.shared.hooks.enabled() {
-            return Err(operations::hook_error(crate::hooks::HookError::Disabled));
+        let hooks = &self.shared.launcher.hooks;
+        if !hooks.enabled() {
+            return Err(start::hook_error(crate::hooks::HookError::Disabled));
         }
         if !entry.begin_patch() {
             return Err(OrchError::Conflict(format!(
@@ -472,15 +450,15 @@ impl Orchestrator {
                 entry.state().name()
             )));
         }
-        let result = self.shared.hooks.patch_params(id, &patch);
+        let result = hooks.patch_params(id, &patch);
         // Stored durably before the answer (custom-extension.md §10.3).
-        let result = result.map_err(operations::hook_error).and_then(|params| {
+        let result = result.map_err(start::hook_error).and_then(|params| {
             let info = {
                 let mut info = entry.info.lock();
-                info.custom_extension_params = params.clone();
+                info.settings.custom_extension_params = params.clone();
                 info.clone()
             };
-            operations::save_running(&self.shared.sandboxes_dir().join(id), &info)?;
+            operations::save_running(&self.shared.registry.dir(id), &info)?;
             Ok(params)
         });
         entry.end_patch();
@@ -492,7 +470,7 @@ impl Orchestrator {
 
     /// Stored extension params, `{}` when empty; in every state.
     pub fn custom_extension_params(&self, id: &str) -> Result<serde_json::Value, OrchError> {
-        Ok(self.get(id)?.custom_extension_params)
+        Ok(self.get(id)?.settings.custom_extension_params)
     }
 
     /// The guest agent of a running sandbox, for a call that `call` admits.
@@ -519,7 +497,7 @@ impl Orchestrator {
         let _permit = CommandPermit::take(&entry, limit)?;
         let env = {
             let info = entry.info.lock();
-            merged_env(&info.image_env, &info.env_vars, &req.env)
+            merged_env(&info.settings.image_env, &info.settings.env_vars, &req.env)
         };
         let exec = ExecRequest {
             cmd: req.cmd,
@@ -554,12 +532,12 @@ impl Orchestrator {
 
     /// How the envd proxy reaches sandbox `id`, if at all.
     pub fn envd_route(&self, id: &str) -> EnvdRoute {
-        envd::route(&self.shared, id)
+        envd::route(&self.shared.registry, id)
     }
 
     /// Whether VM `instance` still runs sandbox `id`.
     pub fn envd_instance_alive(&self, id: &str, instance: u64) -> bool {
-        envd::instance_alive(&self.shared, id, instance)
+        envd::instance_alive(&self.shared.registry, id, instance)
     }
 
     /// Prometheus text for `GET /metrics`.
@@ -579,8 +557,8 @@ impl Orchestrator {
             &[("running", count("running")), ("paused", count("paused"))],
         );
         self.shared.operations.render(&mut out);
-        self.shared.hooks.render_metrics(&mut out);
-        let slots = self.shared.slots.stats();
+        self.shared.launcher.hooks.render_metrics(&mut out);
+        let slots = self.shared.launcher.net.stats();
         metrics::render_state_gauge(
             &mut out,
             "agentenv_network_slots",
@@ -600,9 +578,9 @@ impl Orchestrator {
     pub fn shutdown(&self) -> bool {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        let shared = self.shared.clone();
+        let (registry, launcher) = (self.shared.registry.clone(), self.shared.launcher.clone());
         std::thread::spawn(move || {
-            shutdown_all(&shared);
+            shutdown_all(&registry, &launcher);
             let _ = done_tx.send(());
         });
         let limit = Duration::from_secs(self.shared.config.server.shutdown_timeout_secs);
@@ -619,61 +597,67 @@ impl Orchestrator {
 
 /// Pauses every running sandbox (stop reason `shutdown`), then final stop attempts and
 /// the network teardown.
-fn shutdown_all(shared: &Arc<Shared>) {
-    {
-        let shared = shared.clone();
-        let ids: Vec<String> = shared.sandboxes.read().keys().cloned().collect();
-        log::info!("op=shutdown sandboxes={}", ids.len());
-        let handles: Vec<_> = ids
-            .into_iter()
-            .map(|id| {
-                let shared = shared.clone();
-                std::thread::spawn(move || {
-                    // A sandbox that could not be paused is never deleted: its VM ends
-                    // with the server, and what is stored of it stays.
-                    if let Err(e) = operations::pause(&shared, &id, StopReason::Shutdown) {
-                        log::error!("sandboxId={id} op=shutdown_pause result=kept error=\"{e}\"");
-                    }
-                })
+fn shutdown_all(registry: &Arc<Registry>, launcher: &Launcher) {
+    let ids = registry.ids();
+    log::info!("op=shutdown sandboxes={}", ids.len());
+    let handles: Vec<_> = ids
+        .into_iter()
+        .map(|id| {
+            let registry = registry.clone();
+            std::thread::spawn(move || {
+                // A sandbox that could not be paused is never deleted: its VM ends
+                // with the server, and what is stored of it stays.
+                if let Err(e) = operations::pause(&registry, &id, StopReason::Shutdown) {
+                    log::error!("sandboxId={id} op=shutdown_pause result=kept error=\"{e}\"");
+                }
             })
-            .collect();
-        for h in handles {
-            let _ = h.join();
-        }
+        })
+        .collect();
+    for h in handles {
+        let _ = h.join();
     }
-    shared.hooks.shutdown();
-    shared.slots.shutdown();
+    launcher.hooks.shutdown();
+    launcher.net.shutdown();
 }
 
 /// Deletes one sandbox once no other lifecycle operation runs on it: unregister (so it
 /// disappears), then let its supervisor tear everything down and wait for it.
-pub(crate) fn delete(shared: &Shared, id: &str, reason: StopReason) -> Result<(), OrchError> {
-    let entry = shared.entry(id)?;
+pub(crate) fn delete(registry: &Registry, id: &str, reason: StopReason) -> Result<(), OrchError> {
+    let entry = registry.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Delete)? else {
         return Err(OrchError::sandbox_not_found(id));
     };
-    shared.unregister(id);
+    registry.unregister(id);
     entry.set_state(SandboxState::Deleting);
     // No patch-params may follow the instance's stop (custom-extension.md §6.4).
     entry.wait_patches();
     let runtime = entry.runtime.lock().take();
     if let Some(runtime) = runtime {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        if runtime.ops.send(Op::Delete { reason, reply: tx }).is_ok() {
-            // The supervisor answers once the VM is gone and the slot released; if it has
-            // already exited on its own (VM died), the channel is closed and there is
-            // nothing left to do.
-            let _ = rx.recv();
-        }
+        runtime.delete(reason);
     } else {
         // Paused: no VM, no slot, no hook (its stop was sent when it paused).
-        let dir = shared.sandboxes_dir().join(id);
+        let dir = registry.dir(id);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!("sandboxId={id} op=delete path={} error={e}", dir.display());
         }
     }
     log::info!("sandboxId={id} op=delete result=ok");
     Ok(())
+}
+
+/// A sandbox's description now, with a guest protocol violation its agent client saw
+/// noted (once seen, it stays).
+fn described(entry: &SandboxEntry) -> SandboxInfo {
+    let violation = entry
+        .runtime
+        .lock()
+        .as_ref()
+        .and_then(|rt| rt.agent.protocol_violation());
+    let mut info = entry.info.lock();
+    if info.guest_protocol_violation.is_none() {
+        info.guest_protocol_violation = violation;
+    }
+    info.clone()
 }
 
 /// Paused sandboxes from their records; the directories of sandboxes that were running

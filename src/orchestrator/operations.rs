@@ -5,57 +5,19 @@
 
 use super::lifecycle::{admit, Admitted};
 use super::records::{self, SandboxRecord, PAUSED_DIR};
+use super::registry::Registry;
 use super::sandbox::{Call, Op, RuntimeHandle, SandboxEntry, SandboxInfo, SandboxState};
-use super::snapshots::SnapshotRecord;
-use super::supervisor::{self, Launch, PauseOutcome, RunDir, StartPlan};
-use super::{ColdStart, Connected, OrchError, Shared};
-use crate::hooks::{HookError, StartContext, StopReason};
-use crate::net::Slot;
+use super::settings::SandboxSettings;
+use super::snapshots::{SnapshotRecord, Snapshots};
+use super::start::{self, Launcher, StartKind, StartRequest, Started};
+use super::supervisor::{self, PauseOutcome, RunDir};
+use super::{ColdStart, Connected, OrchError};
+use crate::hooks::StopReason;
+use crate::image::ImageStore;
 use crate::vm::{self, CaptureRecord};
-use serde_json::Value;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-
-/// A failed start or patch hook: 502 with the custom-extension.md §7.5 message; a disabled extension: 400.
-pub(crate) fn hook_error(e: HookError) -> OrchError {
-    match e {
-        HookError::Disabled => OrchError::BadRequest(e.to_string()),
-        HookError::Failed { .. } => OrchError::Upstream(e.to_string()),
-        HookError::Journal(_) => OrchError::Internal(e.to_string()),
-    }
-}
-
-/// A slot for a sandbox, with its outbound choice applied (network.md §5.4).
-fn acquire_slot(shared: &Shared, internet_access: bool) -> Result<Slot, OrchError> {
-    let mut slot = shared.slots.acquire()?;
-    if shared.config.network.outbound && !internet_access {
-        slot.deny_outbound()?;
-    }
-    Ok(slot)
-}
-
-pub(crate) fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
-    StartContext {
-        sandbox_id: id.to_string(),
-        netns_path: slot.netns_path().to_path_buf(),
-        host_ip: slot.host_ip(),
-        slot_index: slot.index(),
-        params: params.clone(),
-    }
-}
-
-/// Kernel arguments agentenv adds after the VM module's own.
-pub(crate) fn guest_kernel_args(shared: &Shared) -> Vec<String> {
-    let mut args = vec![format!("agentenv.port={}", shared.config.agent.port)];
-    if shared.config.network.outbound {
-        if let Some(dns) = crate::net::guest_dns(&shared.config.network) {
-            args.push(format!("agentenv.dns={dns}"));
-        }
-    }
-    args
-}
 
 pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<(), OrchError> {
     records::save(
@@ -67,103 +29,78 @@ pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<
     )
 }
 
-/// A VM booted fresh in a slot: its supervisor channel, agent and slot facts.
-pub(crate) struct Booted {
-    pub runtime: RuntimeHandle,
-    pub host_ip: std::net::Ipv4Addr,
-    pub netns_path: PathBuf,
-}
-
-/// The fresh-boot steps shared by cold creates and template builds (custom-extension.md §5.2 steps 3–6,
-/// §5.9): overlay on the image's base, slot, journal + start-fresh (its `extraBootArgs`
-/// last on the command line), VM, agent. A failed hook is stopped with `failed_reason`.
-pub(crate) fn boot_fresh(
-    shared: &Arc<Shared>,
-    id: &str,
-    run_dir: RunDir,
-    image: &crate::image::PreparedImage,
-    spec: &SandboxSpec,
-    failed_reason: StopReason,
-    memory_file: Option<PathBuf>,
-) -> Result<Booted, OrchError> {
-    // Named relative to the sandbox's directory, so a moved state dir keeps its chains.
-    let base = crate::util::relative_path(run_dir.path(), &image.base_disk)
-        .unwrap_or_else(|| image.base_disk.clone());
-    vm::create_overlay(&base, &run_dir.path().join("disk.qcow2"), spec.disk_size_mb)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let slot = acquire_slot(shared, spec.internet_access)?;
-    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
-    let mut kernel_args = guest_kernel_args(shared);
-    let base_cmdline = vm::kernel_cmdline(shared.accel, &kernel_args)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let context = start_context(id, &slot, &spec.params);
-    let (instance, hook) = shared.hooks.start_fresh(&context, base_cmdline.len());
-    match hook {
-        Ok(Some(extra)) => kernel_args.push(extra),
-        Ok(None) => {}
-        Err(e) => {
-            // Rollback before the answer (custom-extension.md §7.3): stop for the attempt, then the slot.
-            shared.hooks.stop(instance, failed_reason);
-            shared.slots.release(slot);
-            return Err(hook_error(e));
+/// What the supervisor calls when a registered sandbox's VM dies on its own.
+fn forget_on_exit(registry: &Arc<Registry>, id: &str) -> Box<dyn FnOnce() + Send> {
+    let (registry, id) = (Arc::downgrade(registry), id.to_string());
+    Box::new(move || {
+        if let Some(registry) = registry.upgrade() {
+            registry.forget_dead(&id);
         }
-    }
-    let (ops, agent) = supervisor::start(
-        shared,
-        StartPlan {
-            id: id.to_string(),
-            run_dir,
-            slot,
-            instance,
-            launch: Launch::Cold {
-                kernel_args,
-                memory_file,
-            },
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
-        },
-    )?;
-    Ok(Booted {
-        runtime: RuntimeHandle::new(ops, agent),
-        host_ip,
-        netns_path,
     })
 }
 
-/// `POST /sandboxes-cold` (custom-extension.md §5.2): image → disk → slot → journal + start-fresh → VM →
+/// The fresh-boot steps shared by cold creates and template builds (custom-extension.md
+/// §5.2 steps 3–6, §5.9): an overlay on the image's base in the request's run dir, then
+/// the start sequence (`req.kind` is [`StartKind::Fresh`]).
+pub(crate) fn boot_fresh(
+    launcher: &Arc<Launcher>,
+    image: &crate::image::PreparedImage,
+    req: StartRequest,
+) -> Result<Started, OrchError> {
+    // Named relative to the sandbox's directory, so a moved state dir keeps its chains.
+    let base = crate::util::relative_path(req.run_dir.path(), &image.base_disk)
+        .unwrap_or_else(|| image.base_disk.clone());
+    vm::create_overlay(
+        &base,
+        &req.run_dir.path().join("disk.qcow2"),
+        req.resources.disk_size_mb,
+    )
+    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    start::start(launcher, req)
+}
+
+/// `POST /sandboxes-cold` (custom-extension.md §5.2): image → disk → the start sequence →
 /// agent ready → record → visible.
-pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<SandboxInfo, OrchError> {
+pub(crate) fn create_cold(
+    images: &ImageStore,
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
+    req: ColdStart,
+) -> Result<SandboxInfo, OrchError> {
     let started = Instant::now();
-    let image = shared.images.prepare_rootfs(&req.image, req.disk_size_mb)?;
+    let image = images.prepare_rootfs(&req.image, req.resources.disk_size_mb)?;
     let image_ms = started.elapsed().as_millis();
     let id = crate::util::new_id();
-    let run_dir = RunDir::create(shared.sandboxes_dir().join(&id))?;
+    let run_dir = RunDir::create(registry.dir(&id))?;
     let dir = run_dir.path().to_path_buf();
-    let spec = SandboxSpec {
+    let settings = SandboxSettings {
         template_id: image.reference.clone(),
         alias: None,
-        timeout_secs: req.timeout_secs,
-        auto_pause: req.auto_pause,
-        metadata: req.metadata,
-        env_vars: req.env_vars,
+        resources: req.resources,
+        timeout_secs: req.request.timeout_secs,
+        auto_pause: req.request.auto_pause,
+        internet_access: req.request.internet_access(launcher.outbound),
+        metadata: req.request.metadata,
+        env_vars: req.request.env_vars,
         image_env: image.env.clone(),
-        params: req.custom_extension_params,
-        internet_access: shared.config.network.outbound && req.allow_internet_access != Some(false),
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
+        custom_extension_params: req.params,
     };
     let booted = boot_fresh(
-        shared,
-        &id,
-        run_dir,
+        launcher,
         &image,
-        &spec,
-        StopReason::StartFailed,
-        None,
+        StartRequest {
+            id: id.clone(),
+            run_dir,
+            kind: StartKind::Fresh { memory_file: None },
+            resources: settings.resources,
+            internet_access: settings.internet_access,
+            params: settings.custom_extension_params.clone(),
+            failed_reason: StopReason::StartFailed,
+            on_vm_exit: forget_on_exit(registry, &id),
+        },
     )?;
-    let info = spec.into_info(id.clone(), booted.host_ip, booted.netns_path);
-    register_running(shared, &dir, info.clone(), booted.runtime)?;
+    let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
+    register_running(registry, &dir, info.clone(), booted.runtime)?;
     log::info!(
         "sandboxId={id} op=create_cold result=ok image={} hostIp={} imageMs={image_ms} totalMs={}",
         image.reference,
@@ -176,34 +113,22 @@ pub(crate) fn create_cold(shared: &Arc<Shared>, req: ColdStart) -> Result<Sandbo
 /// Stores the record, then makes the sandbox visible. If the record cannot be written the
 /// new sandbox is torn down again: nothing un-recorded is ever visible.
 fn register_running(
-    shared: &Shared,
+    registry: &Registry,
     dir: &std::path::Path,
     info: SandboxInfo,
     runtime: RuntimeHandle,
 ) -> Result<(), OrchError> {
     if let Err(e) = save_running(dir, &info) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        if runtime
-            .ops
-            .send(Op::Delete {
-                reason: StopReason::StartFailed,
-                reply: tx,
-            })
-            .is_ok()
-        {
-            let _ = rx.recv();
-        }
+        runtime.delete(StopReason::StartFailed);
         return Err(e);
     }
-    let id = info.id.clone();
-    let entry = Arc::new(SandboxEntry::new(info, Some(runtime)));
-    shared.sandboxes.write().insert(id, entry);
+    registry.insert(Arc::new(SandboxEntry::new(info, Some(runtime))));
     Ok(())
 }
 
 /// Pause (custom-extension.md §5.4): API call, auto-pause on timeout, graceful shutdown. Idempotent.
-pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(), OrchError> {
-    let entry = shared.entry(id)?;
+pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result<(), OrchError> {
+    let entry = registry.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Pause)? else {
         return Ok(());
     };
@@ -214,7 +139,7 @@ pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(),
         entry.set_state(SandboxState::Running);
         return Err(OrchError::Internal(format!("sandbox {id} has no VM")));
     };
-    let sandbox_dir = shared.sandboxes_dir().join(id);
+    let sandbox_dir = registry.dir(id);
     let mut paused_info = entry.info.lock().clone();
     paused_info.state = SandboxState::Paused;
     let record_dir = sandbox_dir.clone();
@@ -271,7 +196,7 @@ pub(crate) fn pause(shared: &Shared, id: &str, reason: StopReason) -> Result<(),
             Err(e)
         }
         PauseOutcome::Gone(e) => {
-            shared.unregister(id);
+            registry.unregister(id);
             entry.set_state(SandboxState::Deleting);
             let _ = std::fs::remove_dir_all(&sandbox_dir);
             log::error!("sandboxId={id} op=pause result=removed error=\"{e}\"");
@@ -287,12 +212,13 @@ fn records_capture(dir: &std::path::Path) -> Option<CaptureRecord> {
 
 /// Resume or connect (custom-extension.md §5.5). A running sandbox only gets its expiry changed.
 pub(crate) fn resume(
-    shared: &Arc<Shared>,
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
     id: &str,
     secs: u64,
     is_connect: bool,
 ) -> Result<Connected, OrchError> {
-    let entry = shared.entry(id)?;
+    let entry = registry.entry(id)?;
     let call = if is_connect {
         Call::Connect
     } else {
@@ -311,7 +237,7 @@ pub(crate) fn resume(
     };
     let started = Instant::now();
     entry.set_state(SandboxState::Resuming);
-    let result = restore_paused(shared, &entry, id);
+    let result = restore_paused(registry, launcher, &entry, id);
     match result {
         Ok((runtime, slot_facts)) => {
             let info = {
@@ -322,7 +248,7 @@ pub(crate) fn resume(
                 info.end_at = SystemTime::now() + Duration::from_secs(secs);
                 info.clone()
             };
-            let dir = shared.sandboxes_dir().join(id);
+            let dir = registry.dir(id);
             *entry.runtime.lock() = Some(runtime);
             *entry.paused.lock() = None;
             // The paused capture goes only once the running record replaced it: until
@@ -354,10 +280,11 @@ pub(crate) fn resume(
 
 type SlotFacts = (std::net::Ipv4Addr, PathBuf);
 
-/// Slot → start-resume → restore onto a new top layer → agent. On failure the paused
-/// sandbox is unchanged: the new layer is removed, its files are kept.
+/// A new top layer → the start sequence with start-resume → restore onto it → agent. On
+/// failure the paused sandbox is unchanged: the new layer is removed, its files are kept.
 fn restore_paused(
-    shared: &Arc<Shared>,
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
     entry: &SandboxEntry,
     id: &str,
 ) -> Result<(RuntimeHandle, SlotFacts), OrchError> {
@@ -366,16 +293,15 @@ fn restore_paused(
         .lock()
         .clone()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
-    let (params, internet_access, cpu, mem) = {
+    let (params, internet_access, resources) = {
         let info = entry.info.lock();
         (
-            info.custom_extension_params.clone(),
-            info.internet_access,
-            info.cpu_count,
-            info.memory_mb,
+            info.settings.custom_extension_params.clone(),
+            info.settings.internet_access,
+            info.settings.resources,
         )
     };
-    let dir = shared.sandboxes_dir().join(id);
+    let dir = registry.dir(id);
     // Guest writes after the restore go to a new top layer, so a failed resume leaves the
     // paused disk exactly as captured.
     let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
@@ -387,45 +313,26 @@ fn restore_paused(
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     vm::create_layer(&top, &backing, capture.disk_virtual_bytes).map_err(|e| internal(&e))?;
-    let remove_top = || {
-        let _ = std::fs::remove_file(&top);
-    };
-    let slot = match acquire_slot(shared, internet_access) {
-        Ok(s) => s,
-        Err(e) => {
-            remove_top();
-            return Err(e);
-        }
-    };
-    let facts = (slot.host_ip(), slot.netns_path().to_path_buf());
-    let (instance, hook) = shared
-        .hooks
-        .start_resume(&start_context(id, &slot, &params));
-    if let Err(e) = hook {
-        shared.hooks.stop(instance, StopReason::StartFailed);
-        shared.slots.release(slot);
-        remove_top();
-        return Err(hook_error(e));
-    }
-    let started = supervisor::start(
-        shared,
-        StartPlan {
+    let started = start::start(
+        launcher,
+        StartRequest {
             id: id.to_string(),
             run_dir: RunDir::existing(dir),
-            slot,
-            instance,
-            launch: Launch::Restore {
+            kind: StartKind::Restore {
                 record: Box::new(capture),
                 disk: top.clone(),
             },
-            cpu_count: cpu,
-            memory_mb: mem,
+            resources,
+            internet_access,
+            params,
+            failed_reason: StopReason::StartFailed,
+            on_vm_exit: forget_on_exit(registry, id),
         },
     );
     match started {
-        Ok((ops, agent)) => Ok((RuntimeHandle::new(ops, agent), facts)),
+        Ok(s) => Ok((s.runtime, (s.host_ip, s.netns_path))),
         Err(e) => {
-            remove_top();
+            let _ = std::fs::remove_file(&top);
             Err(e)
         }
     }
@@ -433,23 +340,24 @@ fn restore_paused(
 
 /// `POST …/snapshots` (custom-extension.md §5.7): capture in place, no hooks, same instance.
 pub(crate) fn snapshot(
-    shared: &Shared,
+    registry: &Registry,
+    snapshots: &Snapshots,
     id: &str,
     name: Option<String>,
 ) -> Result<SnapshotRecord, OrchError> {
-    let entry = shared.entry(id)?;
+    let entry = registry.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Snapshot)? else {
         return Err(OrchError::Conflict(format!("sandbox {id} is not running")));
     };
     let snapshot_id = crate::util::new_id();
-    let _name_claim = shared.snapshots.claim_name(name.as_deref(), &snapshot_id)?;
+    let _name_claim = snapshots.claim_name(name.as_deref(), &snapshot_id)?;
     entry.set_state(SandboxState::Snapshotting);
     entry.wait_patches();
-    let result = capture_running(shared, &entry, id, &snapshot_id);
+    let result = capture_running(registry, snapshots, &entry, id, &snapshot_id);
     let result = result.and_then(|capture| {
         let info = entry.info.lock().clone();
         let record = SnapshotRecord::new(snapshot_id.clone(), name.clone(), &info, capture);
-        shared.snapshots.insert(record.clone())?;
+        snapshots.insert(record.clone())?;
         Ok(record)
     });
     if entry.state() == SandboxState::Snapshotting {
@@ -461,7 +369,8 @@ pub(crate) fn snapshot(
 /// Captures a running sandbox into `<state>/snapshots/<snapshot_id>` with the disk frozen;
 /// it runs on. If the VM cannot run on, the sandbox is removed (custom-extension.md §5.4's rule).
 fn capture_running(
-    shared: &Shared,
+    registry: &Registry,
+    snapshots: &Snapshots,
     entry: &SandboxEntry,
     id: &str,
     snapshot_id: &str,
@@ -471,7 +380,7 @@ fn capture_running(
         .lock()
         .clone()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no VM")))?;
-    let dir = shared.snapshots.dir(snapshot_id);
+    let dir = snapshots.dir(snapshot_id);
     let (tx, rx) = crossbeam_channel::bounded(1);
     runtime
         .ops
@@ -488,10 +397,10 @@ fn capture_running(
             Err(e)
         }
         Ok(Err(PauseOutcome::Gone(e))) => {
-            shared.unregister(id);
+            registry.unregister(id);
             entry.set_state(SandboxState::Deleting);
             let _ = std::fs::remove_dir_all(&dir);
-            let _ = std::fs::remove_dir_all(shared.sandboxes_dir().join(id));
+            let _ = std::fs::remove_dir_all(registry.dir(id));
             log::error!("sandboxId={id} op=snapshot result=removed error=\"{e}\"");
             Err(e)
         }
@@ -501,98 +410,42 @@ fn capture_running(
     }
 }
 
-/// What a new sandbox is made with (cold create, create from a snapshot, fork child).
-pub(crate) struct SandboxSpec {
-    pub template_id: String,
-    pub alias: Option<String>,
-    pub timeout_secs: u64,
-    pub auto_pause: bool,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
-    pub image_env: Vec<(String, String)>,
-    pub params: Value,
-    pub internet_access: bool,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
-}
-
-impl SandboxSpec {
-    /// The description of a sandbox that just became ready; its TTL starts now.
-    pub fn into_info(
-        self,
-        id: String,
-        host_ip: std::net::Ipv4Addr,
-        netns_path: PathBuf,
-    ) -> SandboxInfo {
-        let now = SystemTime::now();
-        SandboxInfo {
-            id,
-            template_id: self.template_id,
-            alias: self.alias,
-            started_at: now,
-            end_at: now + Duration::from_secs(self.timeout_secs),
-            cpu_count: self.cpu_count,
-            memory_mb: self.memory_mb,
-            disk_size_mb: self.disk_size_mb,
-            metadata: self.metadata,
-            env_vars: self.env_vars,
-            image_env: self.image_env,
-            auto_pause: self.auto_pause,
-            internet_access: self.internet_access,
-            timeout_secs: self.timeout_secs,
-            custom_extension_params: self.params,
-            state: SandboxState::Running,
-            host_ip,
-            netns_path,
-            envd_access_token: crate::util::new_secret(),
-        }
-    }
-}
-
-/// A new sandbox from a capture (custom-extension.md §5.3, §5.8): its own disk over the capture's frozen
-/// layers, a slot, start-resume, restore, agent, record. Never a cold boot.
+/// A new sandbox from a capture (custom-extension.md §5.3, §5.8): its own disk over the
+/// capture's frozen layers, the start sequence with start-resume, restore, agent, record.
+/// Never a cold boot.
 pub(crate) fn clone_from_capture(
-    shared: &Arc<Shared>,
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
     capture: &CaptureRecord,
-    spec: SandboxSpec,
+    settings: SandboxSettings,
 ) -> Result<SandboxInfo, OrchError> {
     let started = Instant::now();
     let id = crate::util::new_id();
-    let run_dir = RunDir::create(shared.sandboxes_dir().join(&id))?;
+    let run_dir = RunDir::create(registry.dir(&id))?;
+    let dir = run_dir.path().to_path_buf();
     let top = vm::create_clone_disk(&capture.disk_layers, run_dir.path())
         .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let slot = acquire_slot(shared, spec.internet_access)?;
-    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
-    let (instance, hook) = shared
-        .hooks
-        .start_resume(&start_context(&id, &slot, &spec.params));
-    if let Err(e) = hook {
-        shared.hooks.stop(instance, StopReason::StartFailed);
-        shared.slots.release(slot);
-        return Err(hook_error(e));
-    }
-    let dir = run_dir.path().to_path_buf();
-    let (ops, agent) = supervisor::start(
-        shared,
-        StartPlan {
+    let booted = start::start(
+        launcher,
+        StartRequest {
             id: id.clone(),
             run_dir,
-            slot,
-            instance,
-            launch: Launch::Restore {
+            kind: StartKind::Restore {
                 record: Box::new(capture.clone()),
                 disk: top,
             },
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
+            resources: settings.resources,
+            internet_access: settings.internet_access,
+            params: settings.custom_extension_params.clone(),
+            failed_reason: StopReason::StartFailed,
+            on_vm_exit: forget_on_exit(registry, &id),
         },
     )?;
-    let info = spec.into_info(id.clone(), host_ip, netns_path);
-    register_running(shared, &dir, info.clone(), RuntimeHandle::new(ops, agent))?;
+    let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
+    register_running(registry, &dir, info.clone(), booted.runtime)?;
     log::info!(
         "sandboxId={id} op=create_from_capture result=ok templateID={} ms={}",
-        info.template_id,
+        info.settings.template_id,
         started.elapsed().as_millis()
     );
     Ok(info)
@@ -602,47 +455,36 @@ pub(crate) fn clone_from_capture(
 /// restored from it, each with its own id, slot, disk and start-resume. The parent keeps
 /// running with its instance.
 pub(crate) fn fork(
-    shared: &Arc<Shared>,
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
+    snapshots: &Snapshots,
     id: &str,
     count: u32,
     timeout_secs: Option<u64>,
 ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
-    let entry = shared.entry(id)?;
+    let entry = registry.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Fork)? else {
         return Err(OrchError::Conflict(format!("sandbox {id} is not running")));
     };
     entry.set_state(SandboxState::Forking);
     entry.wait_patches();
     let checkpoint_id = format!("fork-{}", crate::util::new_id());
-    let captured = capture_running(shared, &entry, id, &checkpoint_id);
+    let captured = capture_running(registry, snapshots, &entry, id, &checkpoint_id);
     if entry.state() == SandboxState::Forking {
         entry.set_state(SandboxState::Running);
     }
     let capture = captured?;
-    let parent = entry.info.lock().clone();
+    let parent = entry.info.lock().settings.clone();
     let children = (0..count)
         .map(|_| {
-            clone_from_capture(
-                shared,
-                &capture,
-                SandboxSpec {
-                    template_id: parent.template_id.clone(),
-                    alias: parent.alias.clone(),
-                    timeout_secs: timeout_secs.unwrap_or(parent.timeout_secs),
-                    auto_pause: parent.auto_pause,
-                    metadata: parent.metadata.clone(),
-                    env_vars: parent.env_vars.clone(),
-                    image_env: parent.image_env.clone(),
-                    params: parent.custom_extension_params.clone(),
-                    internet_access: parent.internet_access,
-                    cpu_count: parent.cpu_count,
-                    memory_mb: parent.memory_mb,
-                    disk_size_mb: parent.disk_size_mb,
-                },
-            )
+            let settings = SandboxSettings {
+                timeout_secs: timeout_secs.unwrap_or(parent.timeout_secs),
+                ..parent.clone()
+            };
+            clone_from_capture(registry, launcher, &capture, settings)
         })
         .collect();
     // The children hold their own links to the frozen layers; the checkpoint can go.
-    let _ = std::fs::remove_dir_all(shared.snapshots.dir(&checkpoint_id));
+    let _ = std::fs::remove_dir_all(snapshots.dir(&checkpoint_id));
     Ok(children)
 }

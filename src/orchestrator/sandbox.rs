@@ -1,9 +1,9 @@
 //! What the orchestrator knows about one sandbox, and the explicit state machine.
 
+use super::settings::SandboxSettings;
 use crate::agent::AgentClient;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -139,23 +139,10 @@ pub fn decide(call: Call, state: SandboxState) -> Decision {
 #[serde(rename_all = "camelCase")]
 pub struct SandboxInfo {
     pub id: String,
-    /// Normalised image reference for cold starts.
-    pub template_id: String,
-    pub alias: Option<String>,
+    #[serde(flatten)]
+    pub settings: SandboxSettings,
     pub started_at: SystemTime,
     pub end_at: SystemTime,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
-    /// The image's own environment, lowest precedence for commands.
-    pub image_env: Vec<(String, String)>,
-    pub auto_pause: bool,
-    /// Whether the guest may open outbound connections (kept across pause and resume).
-    pub internet_access: bool,
-    pub timeout_secs: u64,
-    pub custom_extension_params: serde_json::Value,
     pub state: SandboxState,
     pub host_ip: Ipv4Addr,
     pub netns_path: PathBuf,
@@ -164,6 +151,33 @@ pub struct SandboxInfo {
     /// API key opens the sandbox's envd.
     #[serde(default)]
     pub envd_access_token: String,
+    /// Set when the sandbox's guest broke the agent protocol: its agent channel was
+    /// closed, commands and file transfers fail until the sandbox is deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_protocol_violation: Option<String>,
+}
+
+impl SandboxInfo {
+    /// The description of a sandbox that just became ready; its TTL starts now.
+    pub fn new(
+        id: String,
+        settings: SandboxSettings,
+        host_ip: Ipv4Addr,
+        netns_path: PathBuf,
+    ) -> SandboxInfo {
+        let now = SystemTime::now();
+        SandboxInfo {
+            id,
+            end_at: now + std::time::Duration::from_secs(settings.timeout_secs),
+            settings,
+            started_at: now,
+            state: SandboxState::Running,
+            host_ip,
+            netns_path,
+            envd_access_token: crate::util::new_secret(),
+            guest_protocol_violation: None,
+        }
+    }
 }
 
 /// A lifecycle operation, sent to the sandbox's supervisor thread.
@@ -208,6 +222,17 @@ impl RuntimeHandle {
             ops,
             agent,
             instance: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// Has the supervisor tear the VM down (VM killed, stop hook with `reason`, slot
+    /// released, files removed) and waits until it has. A supervisor that already exited
+    /// on its own (the VM died) has done all of it: its channel is closed and this
+    /// returns at once.
+    pub fn delete(&self, reason: crate::hooks::StopReason) {
+        let (reply, done) = crossbeam_channel::bounded(1);
+        if self.ops.send(Op::Delete { reason, reply }).is_ok() {
+            let _ = done.recv();
         }
     }
 }

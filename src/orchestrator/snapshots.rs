@@ -4,19 +4,20 @@
 //! it: they hold their own links to the layers.
 
 use super::sandbox::SandboxInfo;
+use super::settings::SandboxSettings;
 use super::OrchError;
 use crate::util::is_uuid;
 use crate::vm::CaptureRecord;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 const RECORD_FILE: &str = "record.json";
 
-/// What a snapshot stores (api.md §4.14: params, env, metadata, resources).
+/// What a snapshot stores (api.md §4.14: params, env, metadata, resources): the source
+/// sandbox's settings and its capture.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotRecord {
@@ -24,18 +25,10 @@ pub struct SnapshotRecord {
     pub name: Option<String>,
     pub sandbox_id: String,
     pub created_at: SystemTime,
-    /// The source sandbox's templateID (image reference or template).
-    pub source_template_id: String,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
-    pub image_env: Vec<(String, String)>,
-    pub params: Value,
-    pub auto_pause: bool,
-    pub internet_access: bool,
-    pub timeout_secs: u64,
+    /// The source sandbox's settings; `templateId` is its template (image reference or
+    /// template), which schema 2 records stored as `sourceTemplateId`.
+    #[serde(flatten)]
+    pub settings: SandboxSettings,
     pub capture: CaptureRecord,
     #[serde(default)]
     pub last_spawned_at: Option<SystemTime>,
@@ -69,17 +62,7 @@ impl SnapshotRecord {
             name,
             sandbox_id: info.id.clone(),
             created_at: SystemTime::now(),
-            source_template_id: info.template_id.clone(),
-            cpu_count: info.cpu_count,
-            memory_mb: info.memory_mb,
-            disk_size_mb: info.disk_size_mb,
-            metadata: info.metadata.clone(),
-            env_vars: info.env_vars.clone(),
-            image_env: info.image_env.clone(),
-            params: info.custom_extension_params.clone(),
-            auto_pause: info.auto_pause,
-            internet_access: info.internet_access,
-            timeout_secs: info.timeout_secs,
+            settings: info.settings.clone(),
             capture,
             last_spawned_at: None,
             spawn_count: 0,
@@ -305,6 +288,31 @@ mod tests {
         assert!(!valid_name("a b"));
         assert!(!valid_name(&"x".repeat(129)));
         assert!(!valid_name("01936f1e-8a2b-7c3d-9e4f-0a1b2c3d4e5f"));
+    }
+
+    #[test]
+    fn a_schema_2_record_loads_with_its_old_field_names() {
+        let old = serde_json::json!({
+            "id": "s1", "name": "n", "sandboxId": "sb", "createdAt": {"secs_since_epoch": 1, "nanos_since_epoch": 0},
+            "sourceTemplateId": "docker.io/library/alpine:3", "cpuCount": 2, "memoryMb": 512,
+            "diskSizeMb": 2048, "metadata": {"k": "v"}, "envVars": {}, "imageEnv": [],
+            "params": {"p": 1}, "autoPause": false, "internetAccess": true, "timeoutSecs": 30,
+            "capture": serde_json::to_value(crate::orchestrator::fakes::capture()).unwrap(),
+            "schema": 2
+        });
+        let r: SnapshotRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(r.settings.template_id, "docker.io/library/alpine:3");
+        assert_eq!(r.settings.resources.cpu_count, 2);
+        assert_eq!(r.settings.resources.disk_size_mb, 2048);
+        assert_eq!(
+            r.settings.custom_extension_params,
+            serde_json::json!({"p": 1})
+        );
+        assert!(!r.settings.auto_pause);
+        let again: SnapshotRecord =
+            serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(again.settings.metadata["k"], "v");
+        assert_eq!(again.settings.resources, r.settings.resources);
     }
 
     #[test]

@@ -3,12 +3,15 @@
 //! handles lifecycle [`Op`]s in order, and tears everything down on delete, pause or when
 //! the VM dies.
 
+use super::admission::Reservation;
 use super::sandbox::Op;
-use super::{OrchError, Shared};
+use super::sides::Machine;
+use super::start::Launcher;
+use super::OrchError;
 use crate::agent::AgentClient;
 use crate::hooks::{Instance, StopReason};
 use crate::net::Slot;
-use crate::vm::{self, CaptureRecord, DiskCapture, MemoryFile, RestoreSpec, Vm, VmSpec};
+use crate::vm::{self, CaptureRecord, DiskCapture, MemoryFile, RestoreSpec, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -95,8 +98,12 @@ pub(crate) struct StartPlan {
     pub slot: Slot,
     pub instance: Instance,
     pub launch: Launch,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
+    pub resources: super::settings::Resources,
+    /// The VM's memory and vCPUs, held by its supervisor thread for the VM's life.
+    pub reservation: Reservation,
+    /// Called on the supervisor thread when the VM dies on its own (the sandbox is
+    /// forgotten).
+    pub on_vm_exit: Box<dyn FnOnce() + Send>,
 }
 
 /// The outcome of an in-place pause.
@@ -127,7 +134,7 @@ const COMMIT_RETRY_DELAYS: [Duration; 3] = [
 /// Starts a named thread running the closure (a seam: tests make it fail).
 pub(crate) type ThreadSpawner = fn(String, Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
 
-fn spawn_thread(name: String, body: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+pub(crate) fn spawn_thread(name: String, body: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
     std::thread::Builder::new().name(name).spawn(body).map(drop)
 }
 
@@ -138,13 +145,13 @@ pub(crate) trait StartDebts {
     fn release(&self, slot: Slot);
 }
 
-impl StartDebts for Shared {
+impl StartDebts for Launcher {
     fn stop(&self, instance: Instance, reason: StopReason) {
         self.hooks.stop(instance, reason);
     }
 
     fn release(&self, slot: Slot) {
-        self.slots.release(slot);
+        self.net.release(slot);
     }
 }
 
@@ -189,27 +196,16 @@ fn spawn_supervisor(
 /// Starts the supervisor thread and waits until the guest agent answers. Returns the
 /// channel to the supervisor and the agent client.
 pub(crate) fn start(
-    shared: &Arc<Shared>,
+    launcher: &Arc<Launcher>,
     plan: StartPlan,
 ) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
-    // The VM's memory and vCPUs are held by its supervisor thread for the VM's life.
-    let reservation = match shared.admission.reserve(plan.memory_mb, plan.cpu_count) {
-        Ok(r) => r,
-        Err(e) => {
-            let debts: &dyn StartDebts = &**shared;
-            debts.stop(plan.instance, StopReason::StartFailed);
-            debts.release(plan.slot);
-            return Err(e);
-        }
-    };
     let (launch_tx, launch_rx) = crossbeam_channel::bounded(1);
     let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
-    let thread_shared = shared.clone();
-    spawn_supervisor(plan, spawn_thread, &**shared, move |plan| {
-        let _reservation = reservation;
-        supervise(thread_shared, plan, launch_tx, ops_rx)
+    let thread_launcher = launcher.clone();
+    spawn_supervisor(plan, launcher.spawn, &**launcher, move |plan| {
+        supervise(thread_launcher, plan, launch_tx, ops_rx)
     })?;
-    let wait = Duration::from_secs(shared.config.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;
+    let wait = Duration::from_secs(launcher.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;
     let agent = launch_rx.recv_timeout(wait).map_err(|_| {
         OrchError::Internal("sandbox supervisor did not report its launch".into())
     })??;
@@ -218,41 +214,44 @@ pub(crate) fn start(
 
 /// The running resources a supervisor owns, and the instance the extension knows.
 struct Runtime {
-    vm: Vm,
+    vm: Box<dyn Machine>,
     slot: Option<Slot>,
     instance: Option<Instance>,
     run_dir: RunDir,
+    /// Given back when the runtime ends, whatever ended the VM.
+    _reservation: Reservation,
+    on_vm_exit: Box<dyn FnOnce() + Send>,
 }
 
 impl Runtime {
     /// custom-extension.md §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
     /// while the namespace still exists, then the slot is released and (when armed) the
     /// files are removed.
-    fn teardown(mut self, shared: &Shared, reason: StopReason) {
+    fn teardown(mut self, launcher: &Launcher, reason: StopReason) {
         self.vm.kill();
         if let Some(instance) = self.instance.take() {
-            shared.hooks.stop(instance, reason);
+            launcher.hooks.stop(instance, reason);
         }
         if let Some(slot) = self.slot.take() {
-            shared.slots.release(slot);
+            launcher.net.release(slot);
         }
     }
 }
 
 fn supervise(
-    shared: Arc<Shared>,
+    launcher: Arc<Launcher>,
     plan: StartPlan,
     launch_reply: Sender<Result<Arc<AgentClient>, OrchError>>,
     ops: Receiver<Op>,
 ) {
     let id = plan.id.clone();
-    match launch(&shared, plan) {
+    match launch(&launcher, plan) {
         Ok((runtime, agent)) => {
             if launch_reply.send(Ok(agent)).is_err() {
-                runtime.teardown(&shared, StopReason::StartFailed);
+                runtime.teardown(&launcher, StopReason::StartFailed);
                 return;
             }
-            run(&shared, &id, runtime, ops);
+            run(&launcher, &id, runtime, ops);
         }
         Err(e) => {
             let _ = launch_reply.send(Err(e));
@@ -263,19 +262,20 @@ fn supervise(
 /// Boots or restores the VM in the slot and waits for the guest agent. Every failure path
 /// tears down what was made: VM killed and reaped, stop hook for the instance, slot
 /// released, run dir removed when armed.
-fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
+fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
     let StartPlan {
         id,
         run_dir,
         slot,
         instance,
         launch,
-        cpu_count,
-        memory_mb,
+        resources,
+        reservation,
+        on_vm_exit,
     } = plan;
     let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
-        shared.hooks.stop(instance, StopReason::StartFailed);
-        shared.slots.release(slot);
+        launcher.hooks.stop(instance, StopReason::StartFailed);
+        launcher.net.release(slot);
         OrchError::Internal(e.to_string())
     };
     let netns = match slot.open_netns() {
@@ -283,31 +283,29 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
         Err(e) => return Err(fail(slot, instance, &e)),
     };
     let tap = Some(crate::net::TAP_NAME.to_string());
-    let qemu_binary = shared.config.vm.qemu_binary.clone();
+    let qemu_binary = launcher.vm.qemu_binary.clone();
     let restored = matches!(launch, Launch::Restore { .. });
     let spawned = match launch {
         Launch::Cold {
             kernel_args,
             memory_file,
         } => {
-            let assets = &shared.config.vm.assets_dir;
+            let assets = &launcher.vm.assets_dir;
             let spec = VmSpec {
                 run_dir: run_dir.path().to_path_buf(),
                 kernel: vm::guest_kernel(assets),
                 initramfs: assets.join("initramfs.img"),
                 kernel_args,
-                cpu_count,
-                memory_mb,
+                cpu_count: resources.cpu_count,
+                memory_mb: resources.memory_mb,
                 disk: run_dir.path().join("disk.qcow2"),
                 netns: Some(netns),
                 tap,
-                accel: shared.accel,
+                accel: launcher.accel,
                 qemu_binary,
             };
-            match memory_file {
-                Some(path) => Vm::spawn_with_memory_file(spec, &MemoryFile { path, shared: true }),
-                None => Vm::spawn(spec),
-            }
+            let memory = memory_file.map(|path| MemoryFile { path, shared: true });
+            launcher.machines.boot(spec, memory)
         }
         Launch::Restore { record, disk } => {
             let spec = RestoreSpec {
@@ -315,10 +313,10 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
                 disk,
                 netns: Some(netns),
                 tap,
-                accel: shared.accel,
+                accel: launcher.accel,
                 qemu_binary,
             };
-            Vm::restore(&record, spec).and_then(|(mut vm, _)| vm.resume_vcpus().map(|()| vm))
+            launcher.machines.restore(&record, spec)
         }
     };
     let vm = match spawned {
@@ -330,30 +328,33 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
         slot: Some(slot),
         instance: Some(instance),
         run_dir,
+        _reservation: reservation,
+        on_vm_exit,
     };
-    let timeout = Duration::from_secs(shared.config.vm.ready_timeout_secs);
-    let ready = AgentClient::connect(runtime.vm.agent_socket(), Instant::now() + timeout).and_then(
-        |agent| {
+    let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
+    let ready = runtime
+        .vm
+        .connect_agent(Instant::now() + timeout)
+        .and_then(|agent| {
             agent.set_label(&id);
             // A restored guest's clock stopped while it was saved (issue: guest clock).
             if restored {
                 vm::sync_guest_clock(&agent)?;
             }
             Ok(agent)
-        },
-    );
+        });
     match ready {
         Ok(agent) => Ok((runtime, Arc::new(agent))),
         Err(e) => {
             let tail = runtime.vm.console_tail(20);
-            let cause = match runtime.vm.try_wait() {
+            let cause = match runtime.vm.exited() {
                 Some(status) => format!("the VM exited during boot ({status})"),
                 None => format!("no answer within {}s: {e}", timeout.as_secs()),
             };
             log::error!(
                 "sandboxId={id} op=launch result=error error=\"{e}\" console_tail=\n{tail}"
             );
-            runtime.teardown(shared, StopReason::StartFailed);
+            runtime.teardown(launcher, StopReason::StartFailed);
             Err(OrchError::Internal(format!(
                 "guest agent did not become ready: {cause}; the console log's last lines are in the server log"
             )))
@@ -362,12 +363,12 @@ fn launch(shared: &Shared, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>
 }
 
 /// The supervisor's loop: lifecycle operations in order, and a watch on the VM.
-fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
+fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
     loop {
         match ops.recv_timeout(VM_WATCH_INTERVAL) {
             Ok(Op::Delete { reason, reply }) => {
                 runtime.run_dir.arm();
-                runtime.teardown(shared, reason);
+                runtime.teardown(launcher, reason);
                 let _ = reply.send(());
                 return;
             }
@@ -376,7 +377,7 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 dir,
                 commit,
                 reply,
-            }) => match pause(shared, id, runtime, reason, &dir, commit) {
+            }) => match pause(launcher, id, runtime, reason, &dir, commit) {
                 (Some(rt), outcome) => {
                     runtime = rt;
                     let _ = reply.send(outcome);
@@ -396,27 +397,28 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     }
                     Err(gone) => {
                         runtime.run_dir.arm();
-                        runtime.teardown(shared, StopReason::Failure);
+                        runtime.teardown(launcher, StopReason::Failure);
                         let _ = reply.send(Err(gone));
                         return;
                     }
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
-                if let Some(status) = runtime.vm.try_wait() {
+                if let Some(status) = runtime.vm.exited() {
                     log::error!(
                         "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
                         runtime.vm.console_tail(20)
                     );
-                    shared.forget_dead(id);
+                    let on_vm_exit = std::mem::replace(&mut runtime.on_vm_exit, Box::new(|| {}));
+                    on_vm_exit();
                     runtime.run_dir.arm();
-                    runtime.teardown(shared, StopReason::Failure);
+                    runtime.teardown(launcher, StopReason::Failure);
                     return;
                 }
             }
             Err(RecvTimeoutError::Disconnected) => {
                 runtime.run_dir.arm();
-                runtime.teardown(shared, StopReason::Failure);
+                runtime.teardown(launcher, StopReason::Failure);
                 return;
             }
         }
@@ -426,7 +428,7 @@ fn run(shared: &Shared, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
 /// custom-extension.md §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
 /// slot released. Returns the runtime when the VM runs on.
 fn pause(
-    shared: &Shared,
+    launcher: &Launcher,
     id: &str,
     mut runtime: Runtime,
     reason: StopReason,
@@ -453,7 +455,7 @@ fn pause(
             }
             // The VM has quit and its capture is complete either way: it is kept.
             runtime.run_dir.keep();
-            runtime.teardown(shared, reason);
+            runtime.teardown(launcher, reason);
             match committed {
                 Ok(()) => (None, PauseOutcome::Paused),
                 Err(e) => (None, PauseOutcome::Uncommitted(Box::new(record), e)),
@@ -462,11 +464,11 @@ fn pause(
         Err(e) => {
             let _ = std::fs::remove_dir_all(dir);
             let e = OrchError::Internal(format!("pause failed: {e}"));
-            if runtime.vm.try_wait().is_none() && runtime.vm.resume_vcpus().is_ok() {
+            if runtime.vm.exited().is_none() && runtime.vm.resume_vcpus().is_ok() {
                 (Some(runtime), PauseOutcome::RanOn(e))
             } else {
                 runtime.run_dir.arm();
-                runtime.teardown(shared, StopReason::Failure);
+                runtime.teardown(launcher, StopReason::Failure);
                 (None, PauseOutcome::Gone(e))
             }
         }
@@ -548,6 +550,10 @@ mod tests {
         net.netns_dir = PathBuf::from("/run/test-netns");
         let slots = SlotManager::start_with(Arc::new(FakeHost::default()), &net, &[]).unwrap();
         let dir = std::env::temp_dir().join(format!("aenv-sup-{}", crate::util::new_id()));
+        let admission = super::super::admission::Admission::new(super::super::admission::Limits {
+            memory_mb: 1024,
+            vcpus: 4,
+        });
         let plan = StartPlan {
             id: "sandbox-1".into(),
             run_dir: RunDir::create(dir.clone()).unwrap(),
@@ -560,8 +566,9 @@ mod tests {
                 kernel_args: vec![],
                 memory_file: None,
             },
-            cpu_count: 1,
-            memory_mb: 128,
+            resources: crate::orchestrator::fakes::settings().resources,
+            reservation: admission.reserve(128, 1).unwrap(),
+            on_vm_exit: Box::new(|| {}),
         };
         let debts = RecordedDebts::default();
         let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));
@@ -576,6 +583,7 @@ mod tests {
         );
         assert_eq!(debts.released.lock().len(), 1);
         assert!(!dir.exists(), "the run dir is removed");
+        assert_eq!(admission.in_use(), (0, 0), "the reservation is given back");
         slots.shutdown();
     }
 }

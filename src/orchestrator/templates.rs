@@ -5,9 +5,11 @@
 //! max_concurrent_builds` at once; their status is durable, and a build interrupted by a
 //! restart becomes `error`.
 
-use super::operations::{self, SandboxSpec};
-use super::sandbox::Op;
+use super::operations;
+use super::sandbox::{Op, SandboxInfo};
+use super::settings::{Resources, SandboxSettings};
 use super::snapshots::{SnapshotRecord, TemplateSource};
+use super::start::{StartKind, StartRequest};
 use super::supervisor::{PauseOutcome, RunDir};
 use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
@@ -28,9 +30,7 @@ const STDERR_TAIL: usize = 4096;
 pub struct TemplateRequest {
     pub name: String,
     pub image: String,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
+    pub resources: Resources,
     pub start_cmd: Option<String>,
     pub env_vars: BTreeMap<String, String>,
 }
@@ -64,9 +64,8 @@ pub struct TemplateBuild {
     pub image: String,
     pub start_cmd: Option<String>,
     pub env_vars: BTreeMap<String, String>,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
+    #[serde(flatten)]
+    pub resources: Resources,
     pub status: BuildStatus,
     pub reason: Option<String>,
     pub created_at: SystemTime,
@@ -175,9 +174,7 @@ pub(crate) fn submit(
         image: req.image.clone(),
         start_cmd: req.start_cmd.clone(),
         env_vars: req.env_vars.clone(),
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
+        resources: req.resources,
         status: BuildStatus::Waiting,
         reason: None,
         created_at: now,
@@ -258,7 +255,9 @@ fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
 
 /// The build itself. The build sandbox is internal: its id is never shown by the API.
 fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Result<(), OrchError> {
-    let image = shared.images.prepare_rootfs(&req.image, req.disk_size_mb)?;
+    let image = shared
+        .images
+        .prepare_rootfs(&req.image, req.resources.disk_size_mb)?;
     let sandbox_id = crate::util::new_id();
     let run_dir = RunDir::create(
         shared
@@ -268,19 +267,17 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
             .join("template-builds")
             .join(&sandbox_id),
     )?;
-    let spec = SandboxSpec {
+    let settings = SandboxSettings {
         template_id: image.reference.clone(),
         alias: None,
+        resources: req.resources,
         timeout_secs: shared.config.sandbox.default_timeout_secs,
         auto_pause: true,
         metadata: BTreeMap::new(),
         env_vars: req.env_vars.clone(),
         image_env: image.env.clone(),
-        params: serde_json::json!({}),
         internet_access: shared.config.network.outbound,
-        cpu_count: req.cpu_count,
-        memory_mb: req.memory_mb,
-        disk_size_mb: req.disk_size_mb,
+        custom_extension_params: serde_json::json!({}),
     };
     // The build VM's RAM lives in the template's directory: its capture then holds only
     // device state, and every sandbox created from the template maps the RAM file
@@ -289,27 +286,24 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
     crate::store::ensure_private_dir(&template_dir)
         .map_err(|e| OrchError::Internal(e.to_string()))?;
     let booted = operations::boot_fresh(
-        shared,
-        &sandbox_id,
-        run_dir,
+        &shared.launcher,
         &image,
-        &spec,
-        StopReason::TemplateBuild,
-        Some(template_dir.join("memory.ram")),
+        StartRequest {
+            id: sandbox_id.clone(),
+            run_dir,
+            kind: StartKind::Fresh {
+                memory_file: Some(template_dir.join("memory.ram")),
+            },
+            resources: settings.resources,
+            internet_access: settings.internet_access,
+            params: settings.custom_extension_params.clone(),
+            failed_reason: StopReason::TemplateBuild,
+            // Never registered: nothing to forget.
+            on_vm_exit: Box::new(|| {}),
+        },
     )?;
-    let (ops, agent) = (booted.runtime.ops, booted.runtime.agent);
-    let stop_build = || {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        if ops
-            .send(Op::Delete {
-                reason: StopReason::TemplateBuild,
-                reply: tx,
-            })
-            .is_ok()
-        {
-            let _ = rx.recv();
-        }
-    };
+    let (ops, agent) = (&booted.runtime.ops, &booted.runtime.agent);
+    let stop_build = || booted.runtime.delete(StopReason::TemplateBuild);
     let mut env: BTreeMap<String, String> = image.env.iter().cloned().collect();
     env.extend(req.env_vars.clone());
     if let Some(cmd) = &req.start_cmd {
@@ -357,7 +351,12 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
         Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e),
         _ => return Err(OrchError::Internal("the build VM is gone".into())),
     };
-    let info = spec.into_info(sandbox_id, std::net::Ipv4Addr::UNSPECIFIED, PathBuf::new());
+    let info = SandboxInfo::new(
+        sandbox_id,
+        settings,
+        std::net::Ipv4Addr::UNSPECIFIED,
+        PathBuf::new(),
+    );
     let mut record = SnapshotRecord::new(
         template_id.to_string(),
         Some(req.name.clone()),

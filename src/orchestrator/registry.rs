@@ -1,0 +1,81 @@
+//! The sandbox registry: every sandbox the server knows by id, and where their
+//! directories live. Operations on an existing sandbox need this and nothing else of the
+//! orchestrator's state.
+
+use super::envd::GoneTokens;
+use super::sandbox::{SandboxEntry, SandboxState};
+use super::OrchError;
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub(crate) struct Registry {
+    /// `<state_dir>/sandboxes`: one directory per sandbox (disk layers, record, console).
+    dir: PathBuf,
+    sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
+    /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
+    gone: GoneTokens,
+}
+
+impl Registry {
+    pub fn new(dir: PathBuf, sandboxes: HashMap<String, Arc<SandboxEntry>>) -> Registry {
+        Registry {
+            dir,
+            sandboxes: RwLock::new(sandboxes),
+            gone: GoneTokens::default(),
+        }
+    }
+
+    /// The directory of sandbox `id`.
+    pub fn dir(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    /// A registered sandbox, visible or not.
+    pub fn entry(&self, id: &str) -> Result<Arc<SandboxEntry>, OrchError> {
+        self.sandboxes
+            .read()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| OrchError::sandbox_not_found(id))
+    }
+
+    /// Makes a sandbox known (its record is stored already).
+    pub fn insert(&self, entry: Arc<SandboxEntry>) {
+        let id = entry.info.lock().id.clone();
+        self.sandboxes.write().insert(id, entry);
+    }
+
+    /// Every registered sandbox.
+    pub fn entries(&self) -> Vec<Arc<SandboxEntry>> {
+        self.sandboxes.read().values().cloned().collect()
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        self.sandboxes.read().keys().cloned().collect()
+    }
+
+    /// Forgets a sandbox whose VM died on its own (the supervisor tears it down).
+    pub fn forget_dead(&self, id: &str) {
+        if let Some(entry) = self.unregister(id) {
+            entry.runtime.lock().take();
+            let mut info = entry.info.lock();
+            info.state = SandboxState::Deleting;
+        }
+    }
+
+    /// Removes a sandbox from the registry; later calls see 404.
+    pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
+        let entry = self.sandboxes.write().remove(id);
+        if let Some(entry) = &entry {
+            self.gone.remember(id, &entry.info.lock().envd_access_token);
+        }
+        entry
+    }
+
+    /// The access token of a recently deleted sandbox.
+    pub fn gone_token(&self, id: &str) -> Option<String> {
+        self.gone.token(id)
+    }
+}

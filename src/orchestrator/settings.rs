@@ -1,0 +1,85 @@
+//! What a sandbox is made with: one settings struct that a create request resolves to,
+//! that a running or paused sandbox keeps ([`super::SandboxInfo`]), that a snapshot stores
+//! ([`super::SnapshotRecord`]) and that a sandbox created from it or forked inherits.
+//! Records flatten it, so their stored field names are those of the struct's fields.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// A VM's size: vCPUs, memory and root disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Resources {
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+}
+
+/// The settings of one sandbox, kept across pause, resume, snapshot and fork.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxSettings {
+    /// The image reference of a cold start, or the template (snapshot) it started from.
+    /// Snapshot records of schema 2 stored it as `sourceTemplateId`.
+    #[serde(alias = "sourceTemplateId")]
+    pub template_id: String,
+    /// The template's name, when it started from a named one.
+    #[serde(default)]
+    pub alias: Option<String>,
+    #[serde(flatten)]
+    pub resources: Resources,
+    pub timeout_secs: u64,
+    pub auto_pause: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// The image's own environment, lowest precedence for commands.
+    pub image_env: Vec<(String, String)>,
+    /// Whether the guest may open outbound connections.
+    pub internet_access: bool,
+    /// Snapshot records of schema 2 stored them as `params`.
+    #[serde(alias = "params")]
+    pub custom_extension_params: Value,
+}
+
+/// What every create request sets (a cold start and a start from a snapshot), checked
+/// field by field by the API.
+#[derive(Debug, Clone)]
+pub struct SandboxRequest {
+    pub timeout_secs: u64,
+    pub auto_pause: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// `None`: the server default (`[network] outbound`).
+    pub allow_internet_access: Option<bool>,
+}
+
+impl SandboxRequest {
+    /// Whether the new sandbox may reach out: only when the server allows outbound
+    /// traffic and the request did not refuse it.
+    pub fn internet_access(&self, outbound: bool) -> bool {
+        outbound && self.allow_internet_access != Some(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_2_snapshot_field_names_still_load() {
+        let old = serde_json::json!({
+            "sourceTemplateId": "tpl", "cpuCount": 1, "memoryMb": 256, "diskSizeMb": 1024,
+            "timeoutSecs": 60, "autoPause": true, "metadata": {}, "envVars": {},
+            "imageEnv": [["A", "b"]], "internetAccess": false, "params": {"x": 1}
+        });
+        let s: SandboxSettings = serde_json::from_value(old).unwrap();
+        assert_eq!(s.template_id, "tpl");
+        assert_eq!(s.alias, None);
+        assert_eq!(s.resources.memory_mb, 256);
+        assert_eq!(s.custom_extension_params, serde_json::json!({"x": 1}));
+        let back = serde_json::to_value(&s).unwrap();
+        assert_eq!(back["templateId"], "tpl");
+        assert_eq!(back["memoryMb"], 256);
+    }
+}

@@ -1,0 +1,174 @@
+//! The orchestrator's view of the host, one trait per side: network slots
+//! ([`Network`]), the custom extension ([`Extension`]) and the VMs ([`Machines`]). The
+//! server hands in the real ones ([`SlotManager`], [`HookClient`], QEMU through
+//! [`QemuMachines`]); unit tests hand in fakes, so every failure path of the lifecycle runs
+//! in `cargo test --lib` without root (youki's fakeable `Syscall` is the model).
+
+use crate::agent::{AgentClient, AgentError};
+use crate::hooks::{HookClient, HookError, Instance, StartContext, StopReason};
+use crate::net::{NetError, Slot, SlotManager, SlotStats};
+use crate::vm::{self, CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Vm, VmError, VmSpec};
+use serde_json::Value;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Network slots: one per running VM.
+pub(crate) trait Network: Send + Sync {
+    /// A ready slot (from the pool or built now).
+    fn acquire(&self) -> Result<Slot, NetError>;
+    /// Gives a slot back once its VM is gone.
+    fn release(&self, slot: Slot);
+    fn stats(&self) -> SlotStats;
+    fn shutdown(&self);
+}
+
+impl Network for SlotManager {
+    fn acquire(&self) -> Result<Slot, NetError> {
+        SlotManager::acquire(self)
+    }
+    fn release(&self, slot: Slot) {
+        SlotManager::release(self, slot)
+    }
+    fn stats(&self) -> SlotStats {
+        SlotManager::stats(self)
+    }
+    fn shutdown(&self) {
+        SlotManager::shutdown(self)
+    }
+}
+
+/// The custom extension's hooks (custom-extension.md). Every instance a start hook
+/// returns is owed exactly one [`Extension::stop`].
+pub(crate) trait Extension: Send + Sync {
+    fn enabled(&self) -> bool;
+    fn start_fresh(
+        &self,
+        s: &StartContext,
+        base_cmdline_len: usize,
+    ) -> (Instance, Result<Option<String>, HookError>);
+    fn start_resume(&self, s: &StartContext) -> (Instance, Result<(), HookError>);
+    fn patch_params(&self, sandbox_id: &str, patch: &Value) -> Result<Value, HookError>;
+    fn stop(&self, instance: Instance, reason: StopReason);
+    fn shutdown(&self);
+    fn render_metrics(&self, out: &mut String);
+}
+
+impl Extension for HookClient {
+    fn enabled(&self) -> bool {
+        HookClient::enabled(self)
+    }
+    fn start_fresh(
+        &self,
+        s: &StartContext,
+        base_cmdline_len: usize,
+    ) -> (Instance, Result<Option<String>, HookError>) {
+        HookClient::start_fresh(self, s, base_cmdline_len)
+    }
+    fn start_resume(&self, s: &StartContext) -> (Instance, Result<(), HookError>) {
+        HookClient::start_resume(self, s)
+    }
+    fn patch_params(&self, sandbox_id: &str, patch: &Value) -> Result<Value, HookError> {
+        HookClient::patch_params(self, sandbox_id, patch)
+    }
+    fn stop(&self, instance: Instance, reason: StopReason) {
+        HookClient::stop(self, instance, reason)
+    }
+    fn shutdown(&self) {
+        HookClient::shutdown(self)
+    }
+    fn render_metrics(&self, out: &mut String) {
+        HookClient::render_metrics(self, out)
+    }
+}
+
+/// Starts VMs. Called on the sandbox's supervisor thread, which then owns the machine.
+pub(crate) trait Machines: Send + Sync {
+    /// A fresh boot; with `memory` the guest's RAM is that file.
+    fn boot(&self, spec: VmSpec, memory: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError>;
+    /// A restore of `record` with its vCPUs running.
+    fn restore(
+        &self,
+        record: &CaptureRecord,
+        spec: vm::RestoreSpec,
+    ) -> Result<Box<dyn Machine>, VmError>;
+}
+
+/// One running VM, owned by its supervisor thread.
+pub(crate) trait Machine: Send {
+    /// Connects to the guest agent, waiting until it answers or `deadline`.
+    fn connect_agent(&mut self, deadline: Instant) -> Result<AgentClient, AgentError>;
+    /// The last lines of the guest console, for log lines about a failed VM.
+    fn console_tail(&self, lines: usize) -> String;
+    /// How the VM process ended, if it has.
+    fn exited(&mut self) -> Option<String>;
+    /// Kills the VM process and reaps it.
+    fn kill(self: Box<Self>);
+    /// Captures the VM into `dir` and makes it quit (custom-extension.md §5.4).
+    fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError>;
+    /// Captures the VM into `dir` in place; its vCPUs stay stopped.
+    fn capture(
+        &mut self,
+        dir: &Path,
+        disk: DiskCapture,
+    ) -> Result<(CaptureRecord, CaptureStats), VmError>;
+    fn resume_vcpus(&mut self) -> Result<(), VmError>;
+    fn disk_chain_depth(&mut self) -> Result<usize, VmError>;
+    fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError>;
+}
+
+/// The real VMs: QEMU processes.
+pub(crate) struct QemuMachines;
+
+impl Machines for QemuMachines {
+    fn boot(&self, spec: VmSpec, memory: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError> {
+        let vm = match memory {
+            Some(memory) => Vm::spawn_with_memory_file(spec, &memory)?,
+            None => Vm::spawn(spec)?,
+        };
+        Ok(Box::new(vm))
+    }
+
+    fn restore(
+        &self,
+        record: &CaptureRecord,
+        spec: vm::RestoreSpec,
+    ) -> Result<Box<dyn Machine>, VmError> {
+        let (mut vm, _) = Vm::restore(record, spec)?;
+        vm.resume_vcpus()?;
+        Ok(Box::new(vm))
+    }
+}
+
+impl Machine for Vm {
+    fn connect_agent(&mut self, deadline: Instant) -> Result<AgentClient, AgentError> {
+        AgentClient::connect(self.agent_socket(), deadline)
+    }
+    fn console_tail(&self, lines: usize) -> String {
+        Vm::console_tail(self, lines)
+    }
+    fn exited(&mut self) -> Option<String> {
+        self.try_wait().map(|status| status.to_string())
+    }
+    fn kill(self: Box<Self>) {
+        Vm::kill(*self)
+    }
+    fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        Vm::pause(self, dir)
+    }
+    fn capture(
+        &mut self,
+        dir: &Path,
+        disk: DiskCapture,
+    ) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        Vm::capture(self, dir, disk)
+    }
+    fn resume_vcpus(&mut self) -> Result<(), VmError> {
+        Vm::resume_vcpus(self)
+    }
+    fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
+        Vm::disk_chain_depth(self)
+    }
+    fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError> {
+        Vm::flatten_disk(self, timeout)
+    }
+}

@@ -1,0 +1,207 @@
+//! The one start sequence of a sandbox VM, shared by cold creates, template builds,
+//! resumes and sandboxes created from a snapshot or forked (custom-extension.md §5.2,
+//! §5.3, §5.5, §5.8, §5.9):
+//!
+//! 1. admission: the VM's memory and vCPUs are reserved, or the start is refused (429)
+//!    before anything else is made and before the extension hears of it;
+//! 2. a network slot, with the sandbox's outbound choice applied (network.md §5.4);
+//! 3. the start hook (start-fresh, whose `extraBootArgs` go last on the kernel command
+//!    line, or start-resume), journaled first by the hook client;
+//! 4. rollback when the hook failed (custom-extension.md §7.3): stop for the attempt,
+//!    then the slot, then the reservation;
+//! 5. the supervisor thread, which from then on owns VM, slot, instance and reservation
+//!    and undoes all of them on its own failures.
+//!
+//! Disk preparation (before) and registration (after) are the callers'.
+
+use super::admission::Admission;
+use super::sandbox::RuntimeHandle;
+use super::settings::Resources;
+use super::sides::{Extension, Machines, Network};
+use super::supervisor::{self, Launch, RunDir, StartPlan, ThreadSpawner};
+use super::OrchError;
+use crate::config::{Config, VmConfig};
+use crate::hooks::{HookError, StartContext, StopReason};
+use crate::net::Slot;
+use crate::vm::{self, Accel, CaptureRecord};
+use serde_json::Value;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What starting a VM needs: the three host sides, admission, and the VM settings.
+pub(crate) struct Launcher {
+    pub net: Arc<dyn Network>,
+    pub hooks: Arc<dyn Extension>,
+    pub machines: Arc<dyn Machines>,
+    pub admission: Arc<Admission>,
+    pub vm: VmConfig,
+    pub accel: Accel,
+    /// What agentenv adds to every guest's kernel command line (agent port, DNS).
+    pub kernel_args: Vec<String>,
+    /// `[network] outbound`: whether any guest may reach out.
+    pub outbound: bool,
+    /// Starts supervisor threads (a seam: tests make it fail).
+    pub spawn: ThreadSpawner,
+}
+
+impl Launcher {
+    pub fn new(
+        config: &Config,
+        net: Arc<dyn Network>,
+        hooks: Arc<dyn Extension>,
+        machines: Arc<dyn Machines>,
+        admission: Arc<Admission>,
+        accel: Accel,
+    ) -> Launcher {
+        let mut kernel_args = vec![format!("agentenv.port={}", config.agent.port)];
+        if config.network.outbound {
+            if let Some(dns) = crate::net::guest_dns(&config.network) {
+                kernel_args.push(format!("agentenv.dns={dns}"));
+            }
+        }
+        Launcher {
+            net,
+            hooks,
+            machines,
+            admission,
+            vm: config.vm.clone(),
+            accel,
+            kernel_args,
+            outbound: config.network.outbound,
+            spawn: supervisor::spawn_thread,
+        }
+    }
+}
+
+/// How the new VM comes to life.
+pub(crate) enum StartKind {
+    /// A fresh boot (start-fresh); with `memory_file` the guest's RAM is that file.
+    Fresh { memory_file: Option<PathBuf> },
+    /// A restore of `record` onto the writable top layer `disk` (start-resume).
+    Restore {
+        record: Box<CaptureRecord>,
+        disk: PathBuf,
+    },
+}
+
+/// One VM start. The disk is prepared in `run_dir` already.
+pub(crate) struct StartRequest {
+    pub id: String,
+    pub run_dir: RunDir,
+    pub kind: StartKind,
+    pub resources: Resources,
+    pub internet_access: bool,
+    /// The params the start hook carries.
+    pub params: Value,
+    /// The stop reason owed to an instance whose start failed.
+    pub failed_reason: StopReason,
+    /// Called on the supervisor thread if the VM later dies on its own.
+    pub on_vm_exit: Box<dyn FnOnce() + Send>,
+}
+
+/// A started VM: the channel to its supervisor, its agent, and its slot's facts.
+pub(crate) struct Started {
+    pub runtime: RuntimeHandle,
+    pub host_ip: Ipv4Addr,
+    pub netns_path: PathBuf,
+}
+
+/// A failed start or patch hook: 502 with the custom-extension.md §7.5 message; a disabled extension: 400.
+pub(crate) fn hook_error(e: HookError) -> OrchError {
+    match e {
+        HookError::Disabled => OrchError::BadRequest(e.to_string()),
+        HookError::Failed { .. } => OrchError::Upstream(e.to_string()),
+        HookError::Journal(_) => OrchError::Internal(e.to_string()),
+    }
+}
+
+fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
+    StartContext {
+        sandbox_id: id.to_string(),
+        netns_path: slot.netns_path().to_path_buf(),
+        host_ip: slot.host_ip(),
+        slot_index: slot.index(),
+        params: params.clone(),
+    }
+}
+
+/// Runs the start sequence (see the module doc). On every error nothing it made is left:
+/// no reservation, no slot, no open instance; the run dir goes when it was armed.
+pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Started, OrchError> {
+    let StartRequest {
+        id,
+        run_dir,
+        kind,
+        resources,
+        internet_access,
+        params,
+        failed_reason,
+        on_vm_exit,
+    } = req;
+    let reservation = launcher
+        .admission
+        .reserve(resources.memory_mb, resources.cpu_count)?;
+    let mut slot = launcher.net.acquire()?;
+    if launcher.outbound && !internet_access {
+        if let Err(e) = slot.deny_outbound() {
+            launcher.net.release(slot);
+            return Err(e.into());
+        }
+    }
+    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
+    let context = start_context(&id, &slot, &params);
+    let (instance, hooked) = match kind {
+        StartKind::Fresh { memory_file } => {
+            let mut kernel_args = launcher.kernel_args.clone();
+            let base_cmdline = match vm::kernel_cmdline(launcher.accel, &kernel_args) {
+                Ok(c) => c,
+                Err(e) => {
+                    launcher.net.release(slot);
+                    return Err(OrchError::Internal(e.to_string()));
+                }
+            };
+            let (instance, hook) = launcher.hooks.start_fresh(&context, base_cmdline.len());
+            let hooked = hook.map(|extra| {
+                kernel_args.extend(extra);
+                Launch::Cold {
+                    kernel_args,
+                    memory_file,
+                }
+            });
+            (instance, hooked)
+        }
+        StartKind::Restore { record, disk } => {
+            let (instance, hook) = launcher.hooks.start_resume(&context);
+            (instance, hook.map(|()| Launch::Restore { record, disk }))
+        }
+    };
+    let launch = match hooked {
+        Ok(launch) => launch,
+        Err(e) => {
+            // Rollback before the answer (custom-extension.md §7.3): stop for the
+            // attempt, then the slot; the reservation goes on return.
+            launcher.hooks.stop(instance, failed_reason);
+            launcher.net.release(slot);
+            return Err(hook_error(e));
+        }
+    };
+    let (ops, agent) = supervisor::start(
+        launcher,
+        StartPlan {
+            id,
+            run_dir,
+            slot,
+            instance,
+            launch,
+            resources,
+            reservation,
+            on_vm_exit,
+        },
+    )?;
+    Ok(Started {
+        runtime: RuntimeHandle::new(ops, agent),
+        host_ip,
+        netns_path,
+    })
+}
