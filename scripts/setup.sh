@@ -18,6 +18,7 @@ AGENT_TARGET=x86_64-unknown-linux-gnu
 # Test tools: a python venv and an npm prefix (shared with the other test tools).
 TEST_TOOLS=/opt/agentenv-tests
 E2B_PY_VERSION=2.63.0
+SCHEMATHESIS_VERSION=4.32.5
 E2B_JS_VERSION=2.51.0
 
 step() { printf '==> %s\n' "$*"; }
@@ -108,6 +109,9 @@ mkdir -p "$TEST_TOOLS"
   || die "cannot create the venv $TEST_TOOLS/venv"
 "$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "e2b==$E2B_PY_VERSION" \
   || die "cannot install e2b==$E2B_PY_VERSION from PyPI"
+# tests/e2e_fuzz.rs fuzzes the API from its OpenAPI document.
+"$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION" \
+  || die "cannot install schemathesis==$SCHEMATHESIS_VERSION from PyPI"
 mkdir -p "$TEST_TOOLS/node"
 (cd "$TEST_TOOLS/node" && npm install --silent --no-audit --no-fund --no-save "e2b@$E2B_JS_VERSION") \
   || die "cannot install e2b@$E2B_JS_VERSION from npm"

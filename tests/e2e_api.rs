@@ -14,6 +14,23 @@ fn api_rules_without_vms() {
     body_rules(&server);
     bad_images_leave_nothing(&server);
     metrics(&server);
+    openapi_document(&server);
+}
+
+/// `GET /openapi.json` needs no key and serves docs/openapi.json as built in.
+fn openapi_document(s: &Server) {
+    let answer = ureq::get(&format!("{}/openapi.json", s.base))
+        .call()
+        .expect("GET /openapi.json without a key");
+    assert_eq!(answer.header("Content-Type"), Some("application/json"));
+    let served: serde_json::Value = answer.into_json().unwrap();
+    let file =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/openapi.json")).unwrap();
+    assert_eq!(
+        served,
+        serde_json::from_str::<serde_json::Value>(&file).unwrap()
+    );
+    assert_eq!(served["openapi"], "3.1.0");
 }
 
 fn health_and_auth(s: &Server) {
@@ -100,6 +117,17 @@ fn body_rules(s: &Server) {
     assert_eq!(post("[1]", "application/json").0, 422);
     assert_eq!(post("{}", "application/json").0, 422, "image is required");
     assert_eq!(post(r#"{"image": 5}"#, "application/json").0, 422);
+    // Nesting past 32 levels is refused before parsing, with a message that says so.
+    let deep = format!(
+        r#"{{"image": "x", "metadata": {}{}}}"#,
+        "[".repeat(40),
+        "]".repeat(40)
+    );
+    let (code, answer) = post(&deep, "application/json");
+    assert_eq!(code, 400, "{answer}");
+    assert!(answer.contains("deeper than 32 levels"), "{answer}");
+    let (code, answer) = post(&"{\"a\":".repeat(50_000), "application/json");
+    assert_eq!(code, 400, "{answer}");
     // Announced only: the server answers 413 from Content-Length and closes, and a client
     // still writing a body it will not read could lose that answer to a TCP reset.
     let too_big = format!(

@@ -6,6 +6,11 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::io::Read;
 
+/// Deepest nesting of arrays and objects a JSON body may have. No request needs more than
+/// a few levels; the limit keeps a hostile body's cost (parse recursion, what the custom
+/// extension is sent) small, and its 400 says what was wrong.
+pub const MAX_JSON_DEPTH: usize = 32;
+
 /// Reads a JSON body of at most `limit` bytes. A missing or empty body is `{}`.
 pub fn read_json(
     content_length: Option<usize>,
@@ -33,6 +38,11 @@ pub fn read_json(
             "request body must have Content-Type: application/json",
         ));
     }
+    if nests_deeper_than(&buf, MAX_JSON_DEPTH) {
+        return Err(ApiError::bad_request(format!(
+            "JSON body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+        )));
+    }
     let value: Value = serde_json::from_slice(&buf)
         .map_err(|e| ApiError::bad_request(format!("malformed JSON body: {e}")))?;
     match value {
@@ -41,6 +51,37 @@ pub fn read_json(
             "request body must be a JSON object",
         )),
     }
+}
+
+/// Whether arrays and objects in `json` nest deeper than `max` (brackets inside strings do
+/// not count). A scan of the bytes, before any parser recurses.
+fn nests_deeper_than(json: &[u8], max: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in json {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
 }
 
 fn too_large(limit: u64) -> ApiError {
@@ -205,6 +246,29 @@ mod tests {
         // Found while reading, with no length announced.
         let e = read_json(None, Some("application/json"), &mut big.as_bytes(), 64).unwrap_err();
         assert_eq!(e.status, 413);
+    }
+
+    #[test]
+    fn nesting_depth_is_limited_before_parsing() {
+        let nested = |n: usize| format!("{{\"a\":{}1{}}}", "[".repeat(n - 1), "]".repeat(n - 1));
+        let parse = |body: &str| {
+            read_json(
+                None,
+                Some("application/json"),
+                &mut body.as_bytes(),
+                1 << 20,
+            )
+        };
+        assert!(parse(&nested(MAX_JSON_DEPTH)).is_ok());
+        let e = parse(&nested(MAX_JSON_DEPTH + 1)).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("deeper than 32"), "{}", e.message);
+        // Far past serde_json's own recursion limit: still our 400.
+        let e = parse(&"[".repeat(100_000)).unwrap_err();
+        assert!(e.message.contains("deeper than 32"), "{}", e.message);
+        // Brackets in strings, escaped quotes included, do not count.
+        let quoted = format!("{{\"a\":\"\\\"{}\"}}", "[{".repeat(100));
+        assert!(parse(&quoted).is_ok(), "{quoted}");
     }
 
     #[test]

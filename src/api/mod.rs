@@ -81,18 +81,12 @@ pub enum Lane {
     Stream,
 }
 
-/// Which lane serves an API request, from its method and path (no body is read).
-/// Requests for envd are recognised before this ([`envd_proxy::EnvdProxy::wants`]).
+/// Which lane serves an API request: its route's ([`routes::ROUTES`]); an unknown route
+/// is answered (404, 405) on the quick lane. No body is read. Requests for envd are
+/// recognised before this ([`envd_proxy::EnvdProxy::wants`]).
 pub fn lane_of(request: &Request) -> Lane {
     let path = request.url().split('?').next().unwrap_or("");
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let method = request.method();
-    match (segments.as_slice(), method) {
-        // These talk to the guest, whose answers may be slow: bounded per sandbox.
-        (["sandboxes", _, "commands" | "files" | "metrics"], _) => Lane::Io,
-        (_, tiny_http::Method::Get | tiny_http::Method::Head) => Lane::Quick,
-        _ => Lane::Control,
-    }
+    routes::find(request.method(), path).map_or(Lane::Quick, |(route, _)| route.lane)
 }
 
 /// The sandbox a request of [`Lane::Io`] works on.
@@ -380,13 +374,14 @@ fn serve_one(ctx: &Context, mut request: Request) {
     }
 }
 
-/// Requests other than `GET /health` (and `GET /metrics` unless configured otherwise)
-/// need the API key.
+/// Requests other than `GET /health`, `GET /openapi.json` (and `GET /metrics` unless
+/// configured otherwise) need the API key.
 fn check_auth(ctx: &Context, request: &Request) -> Result<(), ApiError> {
     let path = request.url().split('?').next().unwrap_or("");
     let is_get = *request.method() == tiny_http::Method::Get;
     let exempt = is_get
         && (path == "/health"
+            || path == "/openapi.json"
             || (path == "/metrics" && !ctx.orchestrator.config().metrics.require_api_key));
     if exempt {
         Ok(())

@@ -1,7 +1,7 @@
 //! Routing and the endpoint handlers of api.md §4.
 
 use super::body::{check_env, read_json, Fields};
-use super::{models, query, ApiError, Context, Reply};
+use super::{models, query, ApiError, Context, Lane, Reply};
 use crate::orchestrator::{
     ColdStart, CommandRequest, FromSnapshot, Resources, SandboxInfo, SandboxRequest,
     TemplateRequest,
@@ -19,95 +19,202 @@ const MAX_TIMEOUT_SECS: u64 = 31_536_000;
 /// A connect without `timeout` (the E2B SDKs send `{}`): E2B's default (api.md §4.10).
 const CONNECT_DEFAULT_TIMEOUT_SECS: u64 = 300;
 
-pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
-    let url = req.url().to_string();
-    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let method = req.method().clone();
-    let allow = |methods: &[&str]| Err(ApiError::method_not_allowed(methods));
-    match (segments.as_slice(), &method) {
-        (["health"], Method::Get) => health(ctx),
-        (["health"], _) => allow(&["GET"]),
-        (["metrics"], Method::Get) => Ok(Reply::Text {
-            content_type: "text/plain; version=0.0.4",
-            body: ctx.orchestrator.render_metrics(),
-        }),
-        (["metrics"], _) => allow(&["GET"]),
-        (["sandboxes"], Method::Post) => create_from_template(ctx, req),
-        (["sandboxes"], Method::Get) => list_running(ctx, query),
-        (["sandboxes"], _) => allow(&["GET", "POST"]),
-        (["sandboxes-cold"], Method::Post) => create_cold(ctx, req),
-        (["sandboxes-cold"], _) => allow(&["POST"]),
-        (["v2", "sandboxes"], Method::Get) => list_v2(ctx, query),
-        (["v2", "sandboxes"], Method::Post) => create_from_template(ctx, req),
-        (["v2", "sandboxes"], _) => allow(&["GET", "POST"]),
-        (["v2", "sandboxes", id, "connect"], Method::Post) => connect(ctx, req, id, true),
-        (["v2", "sandboxes", _, "connect"], _) => allow(&["POST"]),
-        (["snapshots"], Method::Get) => list_snapshots(ctx, query),
-        (["snapshots"], _) => allow(&["GET"]),
-        (["snapshots", name], Method::Get) => get_snapshot(ctx, name),
-        (["snapshots", _], _) => allow(&["GET"]),
-        (["templates"], Method::Get) => list_templates(ctx),
-        (["templates"], Method::Post) => create_template(ctx, req),
-        (["templates"], _) => allow(&["GET", "POST"]),
-        (["templates", name], Method::Get) => get_template(ctx, name),
-        (["templates", name], Method::Delete) => delete_template(ctx, name),
-        (["templates", _], _) => allow(&["GET", "DELETE"]),
-        (["sandboxes", id, rest @ ..], _) => sandbox_route(ctx, req, id, rest, &method, query),
-        _ => Err(ApiError::not_found(format!("no such endpoint: {path}"))),
+/// Where a request matched: the path's one variable (`""` when it has none) and the raw
+/// query string.
+pub struct Target<'a> {
+    pub var: &'a str,
+    pub query: &'a str,
+}
+
+type Handler = fn(&Context, &mut Request, &Target) -> Result<Reply, ApiError>;
+
+/// One routed method and path. `{name}` in a path matches any one segment; the names are
+/// those of docs/openapi.json, which documents exactly these routes.
+pub struct Route {
+    pub method: Method,
+    pub path: &'static str,
+    pub lane: Lane,
+    handler: Handler,
+}
+
+const fn r(method: Method, path: &'static str, lane: Lane, handler: Handler) -> Route {
+    Route {
+        method,
+        path,
+        lane,
+        handler,
     }
 }
 
-fn sandbox_route(
-    ctx: &Context,
-    req: &mut Request,
-    id: &str,
-    rest: &[&str],
-    method: &Method,
-    query: &str,
-) -> Result<Reply, ApiError> {
-    let allow = |methods: &[&str]| Err(ApiError::method_not_allowed(methods));
-    let known = matches!(
-        rest,
-        [] | ["timeout"]
-            | ["refreshes"]
-            | ["connect"]
-            | ["resume"]
-            | ["pause"]
-            | ["snapshots"]
-            | ["fork"]
-            | ["commands"]
-            | ["logs"]
-            | ["metrics"]
-            | ["files"]
-            | ["custom-extension-params"]
-    );
-    if !known {
-        return Err(ApiError::not_found("no such endpoint"));
+use Lane::{Control, Io, Quick};
+use Method::{Delete, Get, Patch, Post, Put};
+
+/// Every route of the API (api.md §4), in one table: the router, the lanes, the 405
+/// `Allow` lists and the OpenAPI test all read it.
+pub static ROUTES: &[Route] = &[
+    r(Get, "/health", Quick, |ctx, _, _| health(ctx)),
+    r(Get, "/metrics", Quick, |ctx, _, _| metrics(ctx)),
+    r(Get, "/openapi.json", Quick, |_, _, _| openapi()),
+    r(Get, "/sandboxes", Quick, |ctx, _, t| {
+        list_running(ctx, t.query)
+    }),
+    r(Post, "/sandboxes", Control, |ctx, req, _| {
+        create_from_template(ctx, req)
+    }),
+    r(Post, "/sandboxes-cold", Control, |ctx, req, _| {
+        create_cold(ctx, req)
+    }),
+    r(Get, "/v2/sandboxes", Quick, |ctx, _, t| {
+        list_v2(ctx, t.query)
+    }),
+    r(Post, "/v2/sandboxes", Control, |ctx, req, _| {
+        create_from_template(ctx, req)
+    }),
+    r(
+        Post,
+        "/v2/sandboxes/{sandboxID}/connect",
+        Control,
+        |ctx, req, t| connect(ctx, req, t.var, true),
+    ),
+    r(Get, "/sandboxes/{sandboxID}", Quick, |ctx, _, t| {
+        get_sandbox(ctx, t.var)
+    }),
+    r(Delete, "/sandboxes/{sandboxID}", Control, |ctx, _, t| {
+        delete_sandbox(ctx, t.var)
+    }),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/timeout",
+        Control,
+        |ctx, req, t| set_timeout(ctx, req, t.var, true),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/refreshes",
+        Control,
+        |ctx, req, t| set_timeout(ctx, req, t.var, false),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/connect",
+        Control,
+        |ctx, req, t| connect(ctx, req, t.var, true),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/resume",
+        Control,
+        |ctx, req, t| connect(ctx, req, t.var, false),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/pause",
+        Control,
+        |ctx, req, t| pause(ctx, req, t.var),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/snapshots",
+        Control,
+        |ctx, req, t| snapshot(ctx, req, t.var),
+    ),
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/fork",
+        Control,
+        |ctx, req, t| fork(ctx, req, t.var),
+    ),
+    // Guest I/O, which may take minutes: the I/O lane, bounded per sandbox.
+    r(
+        Post,
+        "/sandboxes/{sandboxID}/commands",
+        Io,
+        |ctx, req, t| run_command(ctx, req, t.var),
+    ),
+    r(Get, "/sandboxes/{sandboxID}/files", Io, |ctx, _, t| {
+        download(ctx, t.var, t.query)
+    }),
+    r(Put, "/sandboxes/{sandboxID}/files", Io, |ctx, req, t| {
+        upload(ctx, req, t.var, t.query)
+    }),
+    r(Get, "/sandboxes/{sandboxID}/metrics", Io, |ctx, _, t| {
+        sandbox_metrics(ctx, t.var)
+    }),
+    r(Get, "/sandboxes/{sandboxID}/logs", Quick, |ctx, _, t| {
+        console_log(ctx, t.var, t.query)
+    }),
+    r(
+        Get,
+        "/sandboxes/{sandboxID}/custom-extension-params",
+        Quick,
+        |ctx, _, t| get_params(ctx, t.var),
+    ),
+    r(
+        Patch,
+        "/sandboxes/{sandboxID}/custom-extension-params",
+        Control,
+        |ctx, req, t| patch_params(ctx, req, t.var),
+    ),
+    r(Get, "/snapshots", Quick, |ctx, _, t| {
+        list_snapshots(ctx, t.query)
+    }),
+    r(Get, "/snapshots/{idOrName}", Quick, |ctx, _, t| {
+        get_snapshot(ctx, t.var)
+    }),
+    r(Get, "/templates", Quick, |ctx, _, _| list_templates(ctx)),
+    r(Post, "/templates", Control, |ctx, req, _| {
+        create_template(ctx, req)
+    }),
+    r(Get, "/templates/{idOrName}", Quick, |ctx, _, t| {
+        get_template(ctx, t.var)
+    }),
+    r(Delete, "/templates/{idOrName}", Control, |ctx, _, t| {
+        delete_template(ctx, t.var)
+    }),
+];
+
+/// The route's path variable when `path` matches `pattern`, `""` when it has none.
+fn matches<'a>(pattern: &str, path: &'a str) -> Option<&'a str> {
+    let mut var = "";
+    let mut have = path.trim_start_matches('/').split('/');
+    for want in pattern.trim_start_matches('/').split('/') {
+        let seg = have.next()?;
+        if want.starts_with('{') {
+            var = seg;
+        } else if want != seg {
+            return None;
+        }
     }
-    match (rest, method) {
-        ([], Method::Get) => get_sandbox(ctx, id),
-        ([], Method::Delete) => delete_sandbox(ctx, id),
-        ([], _) => allow(&["GET", "DELETE"]),
-        (["timeout"], Method::Post) => set_timeout(ctx, req, id, true),
-        (["refreshes"], Method::Post) => set_timeout(ctx, req, id, false),
-        (["connect"], Method::Post) => connect(ctx, req, id, true),
-        (["resume"], Method::Post) => connect(ctx, req, id, false),
-        (["pause"], Method::Post) => pause(ctx, req, id),
-        (["snapshots"], Method::Post) => snapshot(ctx, req, id),
-        (["fork"], Method::Post) => fork(ctx, req, id),
-        (["commands"], Method::Post) => run_command(ctx, req, id),
-        (["logs"], Method::Get) => console_log(ctx, id, query),
-        (["metrics"], Method::Get) => sandbox_metrics(ctx, id),
-        (["metrics"], _) => allow(&["GET"]),
-        (["logs"], _) => allow(&["GET"]),
-        (["files"], Method::Get) => download(ctx, id, query),
-        (["files"], Method::Put) => upload(ctx, req, id, query),
-        (["files"], _) => allow(&["GET", "PUT"]),
-        (["custom-extension-params"], Method::Get) => get_params(ctx, id),
-        (["custom-extension-params"], Method::Patch) => patch_params(ctx, req, id),
-        (["custom-extension-params"], _) => allow(&["GET", "PATCH"]),
-        _ => allow(&["POST"]),
+    have.next().is_none().then_some(var)
+}
+
+/// The route for `method` and `path`; `Err` with the methods `path` allows (empty when
+/// the path is unknown).
+pub fn find<'a>(
+    method: &Method,
+    path: &'a str,
+) -> Result<(&'static Route, &'a str), Vec<&'static str>> {
+    let mut allowed = Vec::new();
+    for route in ROUTES {
+        if let Some(var) = matches(route.path, path) {
+            if route.method == *method {
+                return Ok((route, var));
+            }
+            allowed.push(route.method.as_str());
+        }
+    }
+    Err(allowed)
+}
+
+pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let url = req.url().to_string();
+    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
+    match find(req.method(), path) {
+        Ok((route, var)) => (route.handler)(ctx, req, &Target { var, query }),
+        Err(allowed) if allowed.is_empty() => {
+            Err(ApiError::not_found(format!("no such endpoint: {path}")))
+        }
+        Err(allowed) => Err(ApiError::method_not_allowed(&allowed)),
     }
 }
 
@@ -144,6 +251,23 @@ fn health(ctx: &Context) -> Result<Reply, ApiError> {
         return Err(ApiError::new(503, "server is shutting down"));
     }
     Ok(Reply::Empty(204))
+}
+
+fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
+    Ok(Reply::Text {
+        content_type: "text/plain; version=0.0.4",
+        body: ctx.orchestrator.render_metrics(),
+    })
+}
+
+/// The OpenAPI 3.1 document of this API (docs/openapi.json), built into the binary.
+pub const OPENAPI: &str = include_str!("../../docs/openapi.json");
+
+fn openapi() -> Result<Reply, ApiError> {
+    Ok(Reply::Text {
+        content_type: "application/json",
+        body: OPENAPI.to_string(),
+    })
 }
 
 /// Fields every create request rejects (api.md §4.2, §4.3).
@@ -768,6 +892,96 @@ fn sandbox_metrics(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
+
+    fn document() -> Value {
+        serde_json::from_str(OPENAPI).expect("docs/openapi.json is JSON")
+    }
+
+    /// Every routed method and path is in docs/openapi.json, and nothing else is.
+    #[test]
+    fn openapi_documents_exactly_the_routes() {
+        let doc = document();
+        assert_eq!(doc["openapi"], "3.1.0");
+        let mut documented = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for method in item.as_object().unwrap().keys() {
+                documented.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+        let routed: BTreeSet<(String, String)> = ROUTES
+            .iter()
+            .map(|r| (r.method.as_str().to_string(), r.path.to_string()))
+            .collect();
+        assert_eq!(routed.len(), ROUTES.len(), "a route is in the table twice");
+        let missing: Vec<_> = routed.difference(&documented).collect();
+        let extra: Vec<_> = documented.difference(&routed).collect();
+        assert!(missing.is_empty(), "routed but not documented: {missing:?}");
+        assert!(extra.is_empty(), "documented but not routed: {extra:?}");
+    }
+
+    /// Each path variable is declared as a path parameter, and every `$ref` resolves.
+    #[test]
+    fn openapi_parameters_and_refs_resolve() {
+        let doc = document();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            let vars: BTreeSet<&str> = path
+                .split('/')
+                .filter_map(|s| s.strip_prefix('{')?.strip_suffix('}'))
+                .collect();
+            for (method, op) in item.as_object().unwrap() {
+                let declared: BTreeSet<&str> = op["parameters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| p["in"] == "path")
+                    .map(|p| p["name"].as_str().unwrap())
+                    .collect();
+                assert_eq!(vars, declared, "{method} {path}");
+                assert!(op["operationId"].is_string(), "{method} {path}");
+            }
+        }
+        fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+            match v {
+                Value::Object(m) => {
+                    if let Some(Value::String(r)) = m.get("$ref") {
+                        out.push(r);
+                    }
+                    m.values().for_each(|v| refs(v, out));
+                }
+                Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+                _ => {}
+            }
+        }
+        let mut all = Vec::new();
+        refs(&doc, &mut all);
+        assert!(!all.is_empty());
+        for r in all {
+            let pointer = r.strip_prefix('#').expect("local $ref");
+            assert!(doc.pointer(pointer).is_some(), "dangling $ref {r}");
+        }
+    }
+
+    #[test]
+    fn routes_match_paths_and_list_allowed_methods() {
+        let id = "01900000-0000-7000-8000-000000000000";
+        let pause = format!("/sandboxes/{id}/pause");
+        let (route, var) = find(&Method::Post, &pause).ok().unwrap();
+        assert_eq!((route.path, var), ("/sandboxes/{sandboxID}/pause", id));
+        assert_eq!(find(&Method::Get, "/v2/sandboxes").ok().unwrap().1, "");
+        assert_eq!(
+            find(&Method::Put, &format!("/sandboxes/{id}"))
+                .err()
+                .unwrap(),
+            vec!["GET", "DELETE"]
+        );
+        assert!(find(&Method::Get, &format!("/sandboxes/{id}/nope"))
+            .err()
+            .unwrap()
+            .is_empty());
+        assert!(find(&Method::Get, "/health/x").err().unwrap().is_empty());
+        assert!(find(&Method::Get, "/").err().unwrap().is_empty());
+    }
 
     #[test]
     fn next_token_round_trip() {
