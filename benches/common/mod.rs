@@ -1,0 +1,647 @@
+//! What the benches share: the real server binary driven over HTTP, a local custom
+//! extension, and the statistics they print. Included with `#[path]` by each bench.
+
+#![allow(dead_code)]
+
+use agentenv::agent::{AgentClient, ExecRequest};
+use agentenv::vm::{self, Accel, Qmp, GUEST_MAC};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub const API_KEY: &str = "bench-key-0123456789abcdefghijklmnopqrstuvwxyz";
+pub const MEMORY_MB: u32 = 256;
+pub const DISK_MB: u32 = 1024;
+/// Wait between operations so the guest is idle when the next one starts.
+pub const SETTLE: Duration = Duration::from_millis(250);
+/// The migration bandwidth cap the product uses for captures (QEMU's default of
+/// 128 MiB/s is several times slower than writing the file).
+pub const CAPTURE_BANDWIDTH: u64 = 64 << 30;
+/// What the product sets on every capture and restore.
+pub const MIGRATION_CAPS: &[(&str, bool)] = &[("x-ignore-shared", true)];
+/// Upper bound for any single step of the floor (boot, save, load).
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub fn sorted(v: &[f64]) -> Vec<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    s
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    sorted(v)[v.len() / 2]
+}
+
+pub fn p90(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let s = sorted(v);
+    s[((s.len() as f64 * 0.9).ceil() as usize).saturating_sub(1)]
+}
+
+pub fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+pub fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+pub fn field(line: &str, key: &str) -> Option<f64> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+}
+
+/// A local custom extension: 200 `{}` to every hook; counts start-resume.
+pub struct HookExtension {
+    pub url: String,
+    server: Arc<tiny_http::Server>,
+    start_resume: Arc<AtomicUsize>,
+    last_start_resume: Arc<Mutex<Option<Instant>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HookExtension {
+    pub fn start() -> HookExtension {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+        let port = server.server_addr().to_ip().unwrap().port();
+        let start_resume = Arc::new(AtomicUsize::new(0));
+        let last_start_resume = Arc::new(Mutex::new(None));
+        let thread = {
+            let (server, start_resume, last) = (
+                server.clone(),
+                start_resume.clone(),
+                last_start_resume.clone(),
+            );
+            std::thread::spawn(move || {
+                for request in server.incoming_requests() {
+                    let response = if request.url().contains("/sandbox-hook/") {
+                        if request.url().ends_with("/sandbox-hook/start-resume") {
+                            *last.lock() = Some(Instant::now());
+                            start_resume.fetch_add(1, Ordering::SeqCst);
+                        }
+                        tiny_http::Response::from_string("{}")
+                            .with_status_code(200)
+                            .with_header(
+                                tiny_http::Header::from_bytes("Content-Type", "application/json")
+                                    .unwrap(),
+                            )
+                    } else {
+                        tiny_http::Response::from_string("").with_status_code(404)
+                    };
+                    let _ = request.respond(response);
+                }
+            })
+        };
+        HookExtension {
+            url: format!("http://127.0.0.1:{port}"),
+            server,
+            start_resume,
+            last_start_resume,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn start_resumes(&self) -> usize {
+        self.start_resume.load(Ordering::SeqCst)
+    }
+
+    /// Milliseconds from `t` to the last start-resume's arrival, if one arrived since.
+    pub fn since_start_resume(&self, t: Instant) -> Option<f64> {
+        let at = (*self.last_start_resume.lock())?;
+        (at >= t).then(|| (at - t).as_secs_f64() * 1000.0)
+    }
+}
+
+impl Drop for HookExtension {
+    fn drop(&mut self) {
+        self.server.unblock();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The real server binary on loopback; its log (info level) goes to `log`.
+pub struct BenchServer {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    pub log: PathBuf,
+}
+
+impl BenchServer {
+    pub fn start(assets: &Path, work: &Path, extension_url: Option<&str>) -> BenchServer {
+        std::fs::create_dir_all(work).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = work.join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\napi_key = \"{API_KEY}\"\n\
+                 [vm]\nassets_dir = \"{}\"\ndefault_memory_mb = {MEMORY_MB}\ndefault_cpu_count = 1\n\
+                 default_disk_size_mb = {DISK_MB}\n\
+                 [network]\npool_min = 2\n{}",
+                work.join("state").display(),
+                assets.display(),
+                extension_url
+                    .map(|url| format!("[custom_extension]\nurl = \"{url}\"\n"))
+                    .unwrap_or_default(),
+            ),
+        )
+        .unwrap();
+        let binary = std::env::var("AENV_BENCH_BINARY").unwrap_or_else(|_| {
+            concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/agentenv").into()
+        });
+        let log = work.join("server.log");
+        let child = Command::new(binary)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .env_remove("AENV_CUSTOM_EXTENSION_URL")
+            .env_remove("AENV_CUSTOM_EXTENSION_AUTH_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let server = BenchServer {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            agent: ureq::AgentBuilder::new()
+                .timeout(Duration::from_secs(180))
+                .build(),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while ureq::get(&format!("{}/health", server.base))
+            .call()
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{}",
+                server.failure("did not start")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Let the pool fill so slot creation is not on the measured path.
+        std::thread::sleep(Duration::from_millis(500));
+        server
+    }
+
+    /// The last lines of the server's log, for a panic message.
+    pub fn failure(&self, what: &str) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(30)..].join("\n");
+        format!("the server {what}; its log ends with:\n{tail}")
+    }
+
+    /// One API call that must answer `want`; the JSON body (Null when empty).
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
+        self.try_call(method, path, body, want)
+            .unwrap_or_else(|e| panic!("{}", self.failure(&e)))
+    }
+
+    /// [`BenchServer::call`], with what went wrong as an error.
+    pub fn try_call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        want: u16,
+    ) -> Result<Value, String> {
+        let request = self
+            .agent
+            .request(method, &format!("{}{path}", self.base))
+            .set("X-API-Key", API_KEY);
+        let result = match body {
+            Some(body) => request.send_json(body),
+            None => request.call(),
+        };
+        let (status, text) = match result {
+            Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+            Err(e) => return Err(format!("{method} {path}: {e}")),
+        };
+        if status != want {
+            return Err(format!(
+                "answered {method} {path} with {status} (wanted {want}): {text}"
+            ));
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Creates a sandbox from `template` and runs `true` in it; its id.
+    pub fn try_create_and_run(&self, template: &str) -> Result<String, String> {
+        let v = self.try_call(
+            "POST",
+            "/sandboxes",
+            Some(json!({"templateID": template, "timeout": 600})),
+            201,
+        )?;
+        let id = v["sandboxID"].as_str().unwrap_or_default().to_string();
+        let answer = self.try_call(
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            Some(json!({"cmd": "true"})),
+            200,
+        );
+        if let Err(e) = answer {
+            let _ = self.try_call("DELETE", &format!("/sandboxes/{id}"), None, 204);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    /// Builds a template from `image` with `POST /templates` and waits until it is ready.
+    pub fn build_template(&self, image: &str, name: &str) -> String {
+        self.call(
+            "POST",
+            "/templates",
+            Some(json!({"name": name, "image": image, "cpuCount": 1, "memoryMB": MEMORY_MB, "diskSizeMB": DISK_MB})),
+            202,
+        );
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while self.call("GET", &format!("/templates/{name}"), None, 200)["buildStatus"] != "ready" {
+            assert!(Instant::now() < deadline, "template build did not finish");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        name.to_string()
+    }
+
+    /// Runs `script` (`true` as is, anything else with `sh -c`) in the sandbox; its time.
+    pub fn command(&self, id: &str, script: &str) -> f64 {
+        let body = if script == "true" {
+            json!({"cmd": "true"})
+        } else {
+            json!({"cmd": "sh", "args": ["-c", script]})
+        };
+        let t = Instant::now();
+        let v = self.call(
+            "POST",
+            &format!("/sandboxes/{id}/commands"),
+            Some(body),
+            200,
+        );
+        assert_eq!(v["exitCode"], 0, "command {script:?}: {v}");
+        ms_since(t)
+    }
+
+    pub fn create_cold(&self, image: &str) -> String {
+        let v = self.call(
+            "POST",
+            "/sandboxes-cold",
+            Some(json!({"image": image, "timeout": 600})),
+            201,
+        );
+        v["sandboxID"].as_str().unwrap().to_string()
+    }
+
+    pub fn pause(&self, id: &str) -> f64 {
+        let t = Instant::now();
+        self.call("POST", &format!("/sandboxes/{id}/pause"), None, 204);
+        ms_since(t)
+    }
+
+    pub fn resume(&self, id: &str) -> f64 {
+        let t = Instant::now();
+        self.call(
+            "POST",
+            &format!("/sandboxes/{id}/resume"),
+            Some(json!({"timeout": 600})),
+            201,
+        );
+        ms_since(t)
+    }
+
+    pub fn snapshot(&self, id: &str, name: &str) -> f64 {
+        let t = Instant::now();
+        self.call(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(json!({ "name": name })),
+            201,
+        );
+        ms_since(t)
+    }
+
+    /// The new sandbox's id and the time to its 201.
+    pub fn create_from_template(&self, template: &str) -> (String, f64) {
+        let t = Instant::now();
+        let v = self.call(
+            "POST",
+            "/sandboxes",
+            Some(json!({"templateID": template, "timeout": 600})),
+            201,
+        );
+        let took = ms_since(t);
+        (v["sandboxID"].as_str().unwrap().to_string(), took)
+    }
+
+    pub fn delete(&self, id: &str) {
+        self.call("DELETE", &format!("/sandboxes/{id}"), None, 204);
+    }
+
+    pub fn delete_template(&self, name: &str) {
+        self.call("DELETE", &format!("/templates/{name}"), None, 204);
+    }
+
+    pub fn count_snapshots(&self) -> usize {
+        let v = self.call("GET", "/snapshots", None, 200);
+        v.as_array().map_or(0, Vec::len)
+    }
+}
+
+impl Drop for BenchServer {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// The raw floor: QEMU by hand.
+pub struct Floor {
+    pub assets: PathBuf,
+    pub accel: Accel,
+    pub cmdline: String,
+}
+
+/// One hand-started QEMU; killed on drop.
+pub struct FloorVm {
+    pub child: Child,
+    pub qmp: Qmp,
+    pub agent: PathBuf,
+    pub client: Option<AgentClient>,
+}
+
+/// A floor template: the idle VM's state, its (now immutable) disk, and its RAM file when
+/// it ran with one.
+pub struct FloorTemplate {
+    pub state: PathBuf,
+    pub disk: PathBuf,
+    pub memory: Option<PathBuf>,
+}
+
+impl Floor {
+    /// Spawns QEMU in `run` on `disk` with the product's argv shape, and connects QMP.
+    /// `memory`: the RAM file and whether it is mapped shared (else anonymous RAM).
+    pub fn spawn(
+        &self,
+        run: &Path,
+        disk: &Path,
+        incoming: bool,
+        memory: Option<(&Path, bool)>,
+    ) -> FloorVm {
+        std::fs::create_dir_all(run).unwrap();
+        let (qmp_sock, agent) = (run.join("qmp.sock"), run.join("agent.sock"));
+        for socket in [&qmp_sock, &agent] {
+            let _ = std::fs::remove_file(socket);
+        }
+        let mut machine =
+            String::from("microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram");
+        let (accel, cpu) = match self.accel {
+            Accel::Kvm => ("kvm", "host"),
+            Accel::Tcg { .. } => {
+                machine.push_str(",pit=on,pic=off");
+                ("tcg,tb-size=32", "max")
+            }
+        };
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
+            .args(["-M", &machine, "-accel", accel, "-cpu", cpu])
+            .args(["-smp", "1", "-m", &format!("{MEMORY_MB}M")])
+            .args([
+                "-sandbox",
+                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            ])
+            .arg("-kernel")
+            .arg(vm::guest_kernel(&self.assets))
+            .arg("-initrd")
+            .arg(self.assets.join("initramfs.img"))
+            .args(["-append", &self.cmdline])
+            .args([
+                "-object",
+                &match memory {
+                    Some((path, shared)) => format!(
+                        "memory-backend-file,id=ram,size={MEMORY_MB}M,mem-path={},share={}",
+                        path.display(),
+                        if shared { "on" } else { "off" }
+                    ),
+                    None => format!("memory-backend-ram,id=ram,size={MEMORY_MB}M"),
+                },
+                "-chardev",
+                &format!(
+                    "file,id=console,path={},append=on",
+                    run.join("console.log").display()
+                ),
+                "-serial",
+                "chardev:console",
+                "-drive",
+                &format!(
+                    "id=root,file={},format=qcow2,if=none,discard=unmap",
+                    disk.display()
+                ),
+                "-device",
+                "virtio-blk-device,drive=root",
+                "-netdev",
+                "user,id=net0",
+                "-device",
+                &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
+                "-chardev",
+                &format!(
+                    "socket,id=agent,path={},server=on,wait=off",
+                    agent.display()
+                ),
+                "-device",
+                "virtio-serial-device",
+                "-device",
+                "virtserialport,chardev=agent,name=agentenv",
+                "-chardev",
+                &format!(
+                    "socket,id=qmp,path={},server=on,wait=off",
+                    qmp_sock.display()
+                ),
+                "-mon",
+                "chardev=qmp,mode=control",
+            ]);
+        if incoming {
+            cmd.args(["-incoming", "defer"]);
+        }
+        let log = std::fs::File::create(run.join("qemu.log")).unwrap();
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let stream = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "floor QEMU exited ({status}): {}",
+                    std::fs::read_to_string(run.join("qemu.log")).unwrap_or_default()
+                );
+            }
+            match std::os::unix::net::UnixStream::connect(&qmp_sock) {
+                Ok(s) => break s,
+                Err(e) => assert!(Instant::now() < deadline, "floor QMP socket: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let mut qmp = Qmp::handshake(stream, Duration::from_secs(10)).unwrap();
+        qmp.migrate_set_capabilities(MIGRATION_CAPS).unwrap();
+        FloorVm {
+            child,
+            qmp,
+            agent,
+            client: None,
+        }
+    }
+
+    /// Boots a VM cold (its RAM in a shared file with `ram_file`), lets it go idle and
+    /// saves it: the floor's template.
+    pub fn make_template(&self, base: &Path, dir: &Path, ram_file: bool) -> FloorTemplate {
+        std::fs::create_dir_all(dir).unwrap();
+        let disk = dir.join("disk.qcow2");
+        vm::create_overlay(base, &disk, DISK_MB).unwrap();
+        let memory = ram_file.then(|| dir.join("memory.ram"));
+        let mut vm = self.spawn(dir, &disk, false, memory.as_deref().map(|m| (m, true)));
+        AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
+            .expect("the floor template VM never answered");
+        std::thread::sleep(SETTLE);
+        let state = dir.join("state.bin");
+        vm.pause(&state);
+        FloorTemplate {
+            state,
+            disk,
+            memory,
+        }
+    }
+
+    /// A clone of `template` in `dir`: a fresh overlay, then a restore (RAM mapped
+    /// copy-on-write from the template's RAM file, if it has one), timed from the overlay
+    /// to the agent's first answer.
+    pub fn clone_template(&self, template: &FloorTemplate, dir: &Path) -> (FloorVm, f64) {
+        let t = Instant::now();
+        let (disk, _) = self.clone_disk(&template.disk, dir);
+        let memory = template.memory.as_deref().map(|m| (m, false));
+        let (vm, _) = self.restore(dir, &disk, &template.state, memory);
+        (vm, ms_since(t))
+    }
+
+    /// A new writable overlay over the (immutable) floor template disk, and its time.
+    pub fn clone_disk(&self, template_disk: &Path, dir: &Path) -> (PathBuf, f64) {
+        std::fs::create_dir_all(dir).unwrap();
+        let disk = dir.join("disk.qcow2");
+        let t = Instant::now();
+        let status = Command::new("qemu-img")
+            .args(["create", "-q", "-u", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(template_disk)
+            .arg(&disk)
+            .arg(format!("{DISK_MB}M"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "qemu-img create failed");
+        (disk, ms_since(t))
+    }
+
+    /// Restore by hand, timed from spawn to the agent's first answer.
+    pub fn restore(
+        &self,
+        run: &Path,
+        disk: &Path,
+        state: &Path,
+        memory: Option<(&Path, bool)>,
+    ) -> (FloorVm, f64) {
+        let t = Instant::now();
+        let mut vm = self.spawn(run, disk, true, memory);
+        vm.qmp.migrate_incoming_file(state).unwrap();
+        vm.qmp.wait_status("paused", STEP_TIMEOUT).unwrap();
+        vm.qmp.cont().unwrap();
+        vm.client = Some(
+            AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
+                .expect("the floor VM's agent did not answer after a restore"),
+        );
+        (vm, ms_since(t))
+    }
+}
+
+impl FloorVm {
+    /// Runs `script` with `sh -c` (or `true` as is) through the agent; its time.
+    pub fn exec(&self, script: &str) -> f64 {
+        let (cmd, args) = if script == "true" {
+            ("true", vec![])
+        } else {
+            ("sh", vec!["-c".to_string(), script.to_string()])
+        };
+        let t = Instant::now();
+        let result = self
+            .client
+            .as_ref()
+            .expect("the floor VM was restored")
+            .exec(&ExecRequest {
+                cmd: cmd.into(),
+                args,
+                env: Vec::new(),
+                cwd: "/".into(),
+                timeout_ms: 60_000,
+                max_output_bytes: 1 << 16,
+            })
+            .unwrap();
+        assert_eq!(result.exit_code, 0, "floor command {script:?}: {result:?}");
+        ms_since(t)
+    }
+
+    /// stop + migrate to `state` until completed; the VM is left stopped.
+    pub fn save(&mut self, state: &Path) {
+        self.qmp.stop().unwrap();
+        self.qmp.migrate_set_parameters(CAPTURE_BANDWIDTH).unwrap();
+        self.qmp.migrate_to_file(state).unwrap();
+        self.qmp.wait_migration(STEP_TIMEOUT).unwrap();
+    }
+
+    /// Save, then quit and wait for QEMU to exit.
+    pub fn pause(&mut self, state: &Path) -> f64 {
+        self.client = None;
+        let t = Instant::now();
+        self.save(state);
+        self.qmp.quit().unwrap();
+        self.child.wait().unwrap();
+        ms_since(t)
+    }
+
+    /// Save, then let the VM run on.
+    pub fn snapshot(&mut self, state: &Path) -> f64 {
+        let t = Instant::now();
+        self.save(state);
+        self.qmp.cont().unwrap();
+        ms_since(t)
+    }
+}
+
+impl Drop for FloorVm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
