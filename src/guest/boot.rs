@@ -6,6 +6,7 @@
 
 use std::fs::OpenOptions;
 use std::net::Ipv4Addr;
+use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,6 +32,11 @@ const MODULE_DIR: &str = "/lib/modules";
 const ROOT_DEVICE: &str = "/dev/vda";
 const NEW_ROOT: &str = "/newroot";
 const DEVICE_WAIT: Duration = Duration::from_secs(10);
+/// While no host is connected to the agent port, the agent sleeps until the port's SIGIO
+/// says one connected; this bounds one such sleep (a lost signal costs at most this).
+const HOST_WAIT_LIMIT: Duration = Duration::from_secs(60);
+/// The re-poll interval if SIGIO cannot be armed (or waiting on it fails).
+const HOST_REPOLL: Duration = Duration::from_millis(10);
 
 /// Settings the host passes on the kernel command line (`agentenv.*=`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -329,7 +335,27 @@ pub fn run_pid1() -> ! {
         port_path.display()
     ));
     let server = AgentServer::new(reaper, true, Box::new(writer));
-    server.serve(port, OnEof::Retry);
+    // Armed on this thread, the one that serves the port.
+    let host = sys::HostConnectWait::arm(port.as_fd());
+    if let Err(e) = &host {
+        say(&format!(
+            "cannot arm SIGIO on {} ({e}); re-polling every {} ms while no host is connected",
+            port_path.display(),
+            HOST_REPOLL.as_millis()
+        ));
+    }
+    let wait_for_host = || match &host {
+        Ok(host) => {
+            if let Err(e) = host.wait(port.as_fd(), HOST_WAIT_LIMIT) {
+                say(&format!(
+                    "waiting for the host on the agent port failed: {e}"
+                ));
+                std::thread::sleep(HOST_REPOLL);
+            }
+        }
+        Err(_) => std::thread::sleep(HOST_REPOLL),
+    };
+    server.serve(&port, OnEof::Wait(&wait_for_host));
     fatal("the agent channel loop ended");
 }
 

@@ -109,13 +109,14 @@ impl FrameSink {
 }
 
 /// What to do when the channel reads end-of-file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnEof {
+#[derive(Clone, Copy)]
+pub enum OnEof<'a> {
     /// Return from `serve` (a socket connection ended).
     Stop,
-    /// Wait and read again: on a virtio-serial port, EOF only means no host is connected
-    /// right now. The fd must stay open so the channel survives save/restore.
-    Retry,
+    /// Call the function, which returns once a host may be connected again, and read
+    /// again: on a virtio-serial port, EOF only means no host is connected right now. The
+    /// fd must stay open so the channel survives save/restore.
+    Wait(&'a dyn Fn()),
 }
 
 /// Serves host calls over one byte stream.
@@ -138,24 +139,24 @@ impl AgentServer {
     }
 
     /// Reads and dispatches frames until EOF (with [`OnEof::Stop`]) or forever.
-    pub fn serve(&self, reader: impl Read, on_eof: OnEof) {
+    pub fn serve(&self, reader: impl Read, on_eof: OnEof<'_>) {
         let mut frames = FrameReader::new(reader);
         loop {
             match frames.read_frame() {
                 Ok(Some(frame)) => self.dispatch(frame),
                 Ok(None) => {
                     self.disconnect_streams();
-                    if on_eof == OnEof::Stop {
-                        return;
+                    match on_eof {
+                        OnEof::Stop => return,
+                        // No host is connected (e.g. right after a restore, before the
+                        // new server-side client attaches): wait for one.
+                        OnEof::Wait(wait) => wait(),
                     }
-                    // No host is connected (e.g. right after a restore, before the new
-                    // server-side client attaches): poll briefly, as a resume waits on it.
-                    std::thread::sleep(Duration::from_millis(10));
                 }
                 Err(e) => {
                     log::warn!("agent channel read failed: {e}");
                     self.disconnect_streams();
-                    if on_eof == OnEof::Stop {
+                    if let OnEof::Stop = on_eof {
                         return;
                     }
                     std::thread::sleep(Duration::from_millis(200));

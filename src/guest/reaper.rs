@@ -120,9 +120,11 @@ impl Reaper {
                 }
                 Err(e) if e.errno() == Some(libc::ECHILD) => {
                     let mut children = self.children.lock();
-                    // A child registered since waitid said "none": reap it right away.
+                    // No child at all: every process in the guest descends from PID 1, so
+                    // the next child can only come from `spawn`, which notifies. (A child
+                    // registered since waitid said "none" is reaped right away.)
                     if children.values().all(|s| s.status.is_some()) {
-                        self.spawned.wait_for(&mut children, Duration::from_secs(1));
+                        self.spawned.wait(&mut children);
                     }
                 }
                 Err(e) => {

@@ -203,6 +203,100 @@ pub fn set_nonblocking(fd: BorrowedFd<'_>) -> SysResult<()> {
     check(ret, || "fcntl F_SETFL O_NONBLOCK".to_string()).map(drop)
 }
 
+/// `struct f_owner_ex` and its constants (Linux UAPI `asm-generic/fcntl.h`; not in the
+/// libc crate for every target).
+#[repr(C)]
+struct FOwnerEx {
+    kind: libc::c_int,
+    pid: libc::pid_t,
+}
+const F_SETOWN_EX: libc::c_int = 15;
+const F_OWNER_TID: libc::c_int = 0;
+
+/// Waits, without polling, for the host end of a virtio-serial port to connect.
+///
+/// While no host is connected the port's driver answers `read` with EOF and `poll` with
+/// `POLLHUP` at once, so neither can wait; but with `O_ASYNC` it sends `SIGIO` to the
+/// file's owner when the host connects (and when data arrives). [`HostConnectWait::arm`]
+/// blocks `SIGIO` in the calling thread and makes that thread the owner, so the signal
+/// stays pending until [`HostConnectWait::wait`] takes it with `sigtimedwait`: a connect
+/// between the check and the wait is not lost. Other threads never receive it.
+pub struct HostConnectWait {
+    set: libc::sigset_t,
+}
+
+impl HostConnectWait {
+    /// Arms `fd` (the port) for the calling thread, which must be the one that waits.
+    pub fn arm(fd: BorrowedFd<'_>) -> SysResult<HostConnectWait> {
+        // SAFETY: sigset_t is plain old data; sigemptyset initialises it before use.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: set is a valid sigset_t; SIGIO is a valid signal number.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGIO);
+        }
+        // SAFETY: set is initialised; the old mask is not wanted (null is allowed).
+        let ret = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+        if ret != 0 {
+            return Err(SysError::from_errno("pthread_sigmask SIG_BLOCK SIGIO", ret));
+        }
+        let owner = FOwnerEx {
+            kind: F_OWNER_TID,
+            // SAFETY: gettid has no preconditions.
+            pid: unsafe { libc::gettid() },
+        };
+        // SAFETY: owner is a valid f_owner_ex for the duration of the call; fd is open.
+        let ret = unsafe { libc::fcntl(fd.as_raw_fd(), F_SETOWN_EX, &owner) };
+        check(ret, || "fcntl F_SETOWN_EX".to_string())?;
+        // SAFETY: fcntl(F_GETFL) takes no pointer; the fd is open for the call.
+        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        let flags = check(flags, || "fcntl F_GETFL".to_string())?;
+        // SAFETY: fcntl(F_SETFL) takes the flags by value; the fd is open for the call.
+        let ret = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_ASYNC) };
+        check(ret, || "fcntl F_SETFL O_ASYNC".to_string())?;
+        Ok(HostConnectWait { set })
+    }
+
+    /// Returns true once a host is connected to `fd`, false when `limit` passed first.
+    /// Call on the thread that armed it.
+    pub fn wait(&self, fd: BorrowedFd<'_>, limit: Duration) -> SysResult<bool> {
+        let end = std::time::Instant::now() + limit;
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: pfd is one valid pollfd; a zero timeout does not block.
+            let ret = unsafe { libc::poll(&mut pfd, 1, 0) };
+            if ret < 0 {
+                let err = SysError::last("poll");
+                if err.errno() != Some(libc::EINTR) {
+                    return Err(err);
+                }
+            } else if pfd.revents & libc::POLLHUP == 0 {
+                return Ok(true);
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            let timeout = libc::timespec {
+                tv_sec: left.as_secs() as libc::time_t,
+                tv_nsec: left.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: set and timeout are valid for the call; the siginfo is not wanted.
+            let ret = unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &timeout) };
+            if ret < 0 {
+                let err = SysError::last("sigtimedwait SIGIO");
+                if !matches!(err.errno(), Some(libc::EAGAIN) | Some(libc::EINTR)) {
+                    return Err(err);
+                }
+            }
+        }
+    }
+}
+
 /// Waits up to `timeout` until a write to `fd` will not block; false on timeout.
 pub fn poll_writable(fd: BorrowedFd<'_>, timeout: Duration) -> SysResult<bool> {
     let mut pfd = libc::pollfd {
