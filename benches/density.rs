@@ -79,7 +79,13 @@ fn main() {
     drop(floor_vms);
     load.push(load_average());
 
-    let server = BenchServer::start(&assets, &work.join("s"), None);
+    // Admission would stop at 4 vCPUs per host core; the density run asks for more.
+    let server = BenchServer::start_with(
+        &assets,
+        &work.join("s"),
+        None,
+        &format!("[admission]\nmax_vcpus = {}\n", guests + clients + 8),
+    );
     let template = server.build_template(&image, "bench-density");
 
     // Density.

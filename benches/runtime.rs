@@ -145,7 +145,7 @@ fn raw_floor(assets: &Path, base: &Path, work: &Path, accel: Accel, i: usize) ->
         Accel::Kvm => ("kvm", "host"),
         Accel::Tcg { tsc_khz } => {
             machine.push_str(",pit=on,pic=off");
-            append.push_str(&format!(" tsc_early_khz={tsc_khz}"));
+            append.push_str(&format!(" tsc_early_khz={tsc_khz} tsc=reliable"));
             ("tcg,tb-size=32", "max")
         }
     };

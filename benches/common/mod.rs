@@ -144,6 +144,16 @@ pub struct BenchServer {
 
 impl BenchServer {
     pub fn start(assets: &Path, work: &Path, extension_url: Option<&str>) -> BenchServer {
+        BenchServer::start_with(assets, work, extension_url, "")
+    }
+
+    /// [`BenchServer::start`] with `extra` appended to the config file (whole sections).
+    pub fn start_with(
+        assets: &Path,
+        work: &Path,
+        extension_url: Option<&str>,
+        extra: &str,
+    ) -> BenchServer {
         std::fs::create_dir_all(work).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -157,7 +167,7 @@ impl BenchServer {
                 "[server]\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\napi_key = \"{API_KEY}\"\n\
                  [vm]\nassets_dir = \"{}\"\ndefault_memory_mb = {MEMORY_MB}\ndefault_cpu_count = 1\n\
                  default_disk_size_mb = {DISK_MB}\n\
-                 [network]\npool_min = 2\n{}",
+                 [network]\npool_min = 2\n{}{extra}",
                 work.join("state").display(),
                 assets.display(),
                 extension_url
@@ -464,7 +474,7 @@ impl Floor {
                 "-device",
                 "virtio-blk-device,drive=root",
                 "-netdev",
-                "user,id=net0",
+                "hubport,id=net0,hubid=0",
                 "-device",
                 &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
                 "-chardev",

@@ -190,7 +190,7 @@ fn boot_save_restore_kill() {
         fx.kernel.display()
     );
     let tsc = match accel {
-        Accel::Tcg { tsc_khz } => format!(" tsc_early_khz={tsc_khz}"),
+        Accel::Tcg { tsc_khz } => format!(" tsc_early_khz={tsc_khz} tsc=reliable"),
         Accel::Kvm => String::new(),
     };
     let want = format!("cmdline=[console=ttyS0 reboot=t panic=-1{tsc} agentenv.test=1 last=arg]");

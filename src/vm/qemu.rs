@@ -162,11 +162,18 @@ pub fn guest_kernel(assets_dir: &Path) -> PathBuf {
     }
 }
 
-/// The guest kernel command line: base arguments, the TCG clock hint, then the spec's.
+/// The guest kernel command line: base arguments, the TCG clock hints, then the spec's.
+///
+/// Under TCG the kernel's clocksource watchdog compares the TSC with jiffies (there is no
+/// other clocksource on microvm), sees the emulated timer interrupts lag, marks the TSC
+/// unstable and falls back to jiffies: no high-resolution timers, so an idle guest keeps
+/// its 250 Hz tick and every sleep rounds to 4 ms. QEMU's TCG TSC follows the host clock,
+/// so it is trusted (`tsc=reliable`), and the idle guest stops ticking.
 pub fn kernel_cmdline(accel: Accel, extra: &[String]) -> Result<String, VmError> {
     let mut args: Vec<String> = BASE_KERNEL_ARGS.iter().map(|s| s.to_string()).collect();
     if let Accel::Tcg { tsc_khz } = accel {
         args.push(format!("tsc_early_khz={tsc_khz}"));
+        args.push("tsc=reliable".into());
     }
     for a in extra {
         if a.is_empty() || a.chars().any(|c| c.is_control()) {
@@ -775,7 +782,7 @@ mod tests {
         assert_eq!(value(&a, "-cpu"), "max");
         assert_eq!(
             value(&a, "-append"),
-            "console=ttyS0 reboot=t panic=-1 tsc_early_khz=2596144 agentenv.port=49983 init=/init"
+            "console=ttyS0 reboot=t panic=-1 tsc_early_khz=2596144 tsc=reliable agentenv.port=49983 init=/init"
         );
     }
 
