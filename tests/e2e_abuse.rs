@@ -19,6 +19,7 @@ fn hostile_clients_cannot_crash_wedge_or_starve_the_server() {
     huge_content_length(&mut s);
     bad_content_lengths(&mut s);
     unread_bodies_close_the_connection(&mut s);
+    early_answers_reach_a_client_still_sending(&mut s);
     stalled_bodies(&mut s);
     slowloris_headers(&mut s);
     oversize_headers(&mut s);
@@ -114,7 +115,9 @@ fn read_response(c: &mut TcpStream) -> (u16, String) {
         })
         .unwrap_or(0);
     let mut body = vec![0u8; length];
-    c.read_exact(&mut body).unwrap();
+    if let Err(e) = c.read_exact(&mut body) {
+        return (0, format!("status {status}, then the body was lost: {e}"));
+    }
     (status, String::from_utf8_lossy(&body).to_string())
 }
 
@@ -246,6 +249,41 @@ fn unread_bodies_close_the_connection(s: &mut Server) {
     c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     assert_eq!(read_status(&mut c), 204);
+}
+
+/// A client that sends its whole request before reading (as simple HTTP clients do) gets
+/// the 401 or 413 the server answered early: the server shuts its side down and discards
+/// what still comes (a lingering close) instead of closing with unread data, whose reset
+/// fails the client's send before it ever reads the answer.
+fn early_answers_reach_a_client_still_sending(s: &mut Server) {
+    // More than loopback's socket buffers hold, so the server must read for the client to
+    // finish sending.
+    let length = 24 << 20;
+    let cases = [
+        (String::new(), 401),
+        (format!("X-API-Key: {API_KEY}\r\n"), 413),
+    ];
+    for (auth, want) in cases {
+        for round in 0..3 {
+            let mut c = connect(s);
+            c.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(
+                c,
+                "POST /sandboxes HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            )
+            .unwrap();
+            let chunk = vec![b' '; 1 << 20];
+            for i in 0..length / chunk.len() {
+                if let Err(e) = c.write_all(&chunk) {
+                    panic!("{want} round {round}: sending MiB {i} failed: {e}");
+                }
+            }
+            let (code, body) = read_response(&mut c);
+            assert_eq!(code, want, "round {round}: {body}");
+            assert!(closed_within(&mut c, Duration::from_secs(5)));
+        }
+        assert_healthy(s, &format!("{want} while the client was still sending"));
+    }
 }
 
 fn stalled_bodies(s: &mut Server) {

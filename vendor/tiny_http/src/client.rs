@@ -148,6 +148,7 @@ impl ClientConnection {
         // whose previous body was left undrained closes; otherwise the idle timer starts.
         self.next_header_source.wait_turn();
         if self.control.must_close() {
+            self.linger();
             return Err(ReadError::Closed);
         }
         self.control.set_per_read(None);
@@ -236,7 +237,12 @@ impl Iterator for ClientConnection {
 
         // the client sent a "connection: close" header in this previous request
         //  or is using HTTP 1.0, meaning that no new request will come
+        // agentenv patch: once that request is done, a body it left unread closes lingering.
         if self.no_more_requests {
+            self.next_header_source.wait_turn();
+            if self.control.must_close() {
+                self.linger();
+            }
             return None;
         }
 
@@ -318,9 +324,7 @@ impl Iterator for ClientConnection {
 }
 
 impl ClientConnection {
-    /// agentenv patch: answers `status` with `Connection: close`, then reads and discards
-    /// what the client still sends (bounded in bytes and time) so that closing the socket
-    /// does not reset the connection before the client has read the answer.
+    /// agentenv patch: answers `status` with `Connection: close`, then closes lingering.
     fn reject(&mut self, status: u16, version: HTTPVersion) {
         use crate::{Response, StatusCode};
         use std::io::Write;
@@ -333,9 +337,23 @@ impl ClientConnection {
         {
             return;
         }
+        self.linger();
+    }
+
+    /// agentenv patch: a lingering close, for a connection that closes while the client
+    /// may still be sending. Shuts down for writing (the answers already written reach the
+    /// client, then its end of stream), then reads and discards what the client still
+    /// sends until it closes, at most `Limits::linger_limit` bytes within
+    /// `Limits::linger_timeout`. Closing with unread data makes the kernel reset the
+    /// connection, which fails a client still sending before it reads the answer (and on
+    /// some systems destroys the answer in its receive buffer).
+    fn linger(&mut self) {
+        if let Some(reader) = self.next_header_source.get_mut() {
+            reader.get_mut().shutdown_write();
+        }
         self.control.set_per_read(None);
-        self.control.set_deadline(Some(self.limits.drain_timeout));
-        let mut rest = (&mut self.next_header_source).take(self.limits.drain_limit);
+        self.control.set_deadline(Some(self.limits.linger_timeout));
+        let mut rest = (&mut self.next_header_source).take(self.limits.linger_limit);
         let _ = std::io::copy(&mut rest, &mut std::io::sink());
     }
 }

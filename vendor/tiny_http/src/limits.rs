@@ -31,6 +31,12 @@ pub struct Limits {
     /// `drain_timeout`; past either the connection is closed instead.
     pub drain_limit: u64,
     pub drain_timeout: Duration,
+    /// A connection closed while the client may still be sending (an answer given before
+    /// its body was read, a rejected request) is closed lingering: shut down for writing,
+    /// then what arrives is discarded until the client closes, up to this many bytes
+    /// within `linger_timeout`.
+    pub linger_limit: u64,
+    pub linger_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -45,6 +51,8 @@ impl Default for Limits {
             buffer_body_up_to: 1024,
             drain_limit: 64 * 1024,
             drain_timeout: Duration::from_secs(1),
+            linger_limit: 64 * 1024 * 1024,
+            linger_timeout: Duration::from_secs(2),
         }
     }
 }

@@ -140,6 +140,12 @@ impl RefinedTcpStream {
         self.stream.peer_addr()
     }
 
+    /// Shuts the connection down for writing: the client sees the end of the answers
+    /// (agentenv patch, for a lingering close).
+    pub(crate) fn shutdown_write(&mut self) {
+        self.stream.shutdown(Shutdown::Write).ok();
+    }
+
     /// Reads of this stream follow `control`'s deadlines from now on.
     pub(crate) fn with_control(mut self, control: Arc<ConnControl>) -> Self {
         self.control = Some(control);

@@ -111,6 +111,14 @@ impl<W: Write + Send> Iterator for SequentialWriterBuilder<W> {
 }
 
 impl<R: Read + Send> SequentialReader<R> {
+    /// The underlying reader, once it is this reader's turn (agentenv patch).
+    pub fn get_mut(&mut self) -> Option<&mut R> {
+        match self.inner {
+            SequentialReaderInner::MyTurn(ref mut reader) => Some(reader),
+            _ => None,
+        }
+    }
+
     /// Blocks until the previous reader is done (agentenv patch: lets the connection start
     /// its idle timer only once the previous request has released the stream).
     pub fn wait_turn(&mut self) {
