@@ -85,7 +85,8 @@ impl Extension for HookClient {
 pub(crate) trait Machines: Send + Sync {
     /// A fresh boot; with `memory` the guest's RAM is that file.
     fn boot(&self, spec: VmSpec, memory: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError>;
-    /// A restore of `record` with its vCPUs running.
+    /// A restore of `record`: state loaded, vCPUs not run yet
+    /// ([`Machine::resume_vcpus`] starts them).
     fn restore(
         &self,
         record: &CaptureRecord,
@@ -133,8 +134,7 @@ impl Machines for QemuMachines {
         record: &CaptureRecord,
         spec: vm::RestoreSpec,
     ) -> Result<Box<dyn Machine>, VmError> {
-        let (mut vm, _) = Vm::restore(record, spec)?;
-        vm.resume_vcpus()?;
+        let (vm, _) = Vm::restore(record, spec)?;
         Ok(Box::new(vm))
     }
 }

@@ -6,7 +6,9 @@
 //!    before anything else is made and before the extension hears of it;
 //! 2. a network slot, with the sandbox's outbound choice applied (network.md §5.4);
 //! 3. the start hook (start-fresh, whose `extraBootArgs` go last on the kernel command
-//!    line, or start-resume), journaled first by the hook client;
+//!    line, or start-resume), journaled first by the hook client; a restore's VM is
+//!    prepared meanwhile (QEMU started, state loaded, vCPUs stopped), so the hook and the
+//!    QEMU start overlap, and the vCPUs run only after the hook succeeded;
 //! 4. rollback when the hook failed (custom-extension.md §7.3): stop for the attempt,
 //!    then the slot, then the reservation;
 //! 5. the supervisor thread, which from then on owns VM, slot, instance and reservation
@@ -18,10 +20,10 @@ use super::admission::Admission;
 use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
 use super::sides::{Extension, Machines, Network};
-use super::supervisor::{self, Launch, RunDir, StartPlan, ThreadSpawner};
+use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
-use crate::hooks::{HookError, StartContext, StopReason};
+use crate::hooks::{HookError, Instance, StartContext, StopReason};
 use crate::net::Slot;
 use crate::vm::{self, Accel, CaptureRecord};
 use serde_json::Value;
@@ -172,8 +174,42 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             (instance, hooked)
         }
         StartKind::Restore { record, disk } => {
-            let (instance, hook) = launcher.hooks.start_resume(&context);
-            (instance, hook.map(|()| Launch::Restore { record, disk }))
+            // The VM is prepared while the hook runs; the supervisor takes the hook's
+            // outcome and undoes everything itself when it failed.
+            let (hook_tx, hook_rx) = crossbeam_channel::bounded(1);
+            let launching = supervisor::begin(
+                launcher,
+                StartPlan {
+                    id,
+                    run_dir,
+                    slot,
+                    instance: Instance {
+                        sandbox_id: context.sandbox_id.clone(),
+                        instance_id: None,
+                    },
+                    launch: Launch::Restore {
+                        record,
+                        disk,
+                        hook: hook_rx,
+                        failed_reason,
+                    },
+                    resources,
+                    reservation,
+                    on_vm_exit,
+                },
+            )?;
+            let (instance, result) = launcher.hooks.start_resume(&context);
+            if let Err(unsent) = hook_tx.send(HookOutcome { instance, result }) {
+                // The supervisor is gone (its launch reply says why); the instance is
+                // still owed its stop.
+                launcher.hooks.stop(unsent.0.instance, failed_reason);
+            }
+            let (ops, agent) = launching.wait()?;
+            return Ok(Started {
+                runtime: RuntimeHandle::new(ops, agent),
+                host_ip,
+                netns_path,
+            });
         }
     };
     let launch = match hooked {

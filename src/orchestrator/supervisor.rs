@@ -9,7 +9,7 @@ use super::sides::Machine;
 use super::start::Launcher;
 use super::OrchError;
 use crate::agent::AgentClient;
-use crate::hooks::{Instance, StopReason};
+use crate::hooks::{HookError, Instance, StopReason};
 use crate::net::Slot;
 use crate::vm::{self, CaptureRecord, DiskCapture, MemoryFile, RestoreSpec, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -83,15 +83,28 @@ pub(crate) enum Launch {
         kernel_args: Vec<String>,
         memory_file: Option<PathBuf>,
     },
-    /// A restore of `record` onto the writable top layer `disk`.
+    /// A restore of `record` onto the writable top layer `disk`. The start-resume hook
+    /// runs while the VM is prepared (QEMU started, state loaded, vCPUs stopped: the guest
+    /// does not execute, custom-extension.md §3.2); its outcome arrives on `hook`, and
+    /// only a success lets the vCPUs run. A failed hook's instance is stopped with
+    /// `failed_reason`.
     Restore {
         record: Box<CaptureRecord>,
         disk: PathBuf,
+        hook: Receiver<HookOutcome>,
+        failed_reason: StopReason,
     },
 }
 
+/// The start-resume hook's outcome, for a supervisor that prepared its VM meanwhile.
+pub(crate) struct HookOutcome {
+    pub instance: Instance,
+    pub result: Result<(), HookError>,
+}
+
 /// Everything a supervisor needs to start a sandbox's VM. The start hook was sent already
-/// (`instance`); every failure path owes it a stop.
+/// (`instance`), or for a restore is on its way (`instance` has no id until
+/// [`HookOutcome`] brings it); every failure path owes it a stop.
 pub(crate) struct StartPlan {
     pub id: String,
     pub run_dir: RunDir,
@@ -199,17 +212,39 @@ pub(crate) fn start(
     launcher: &Arc<Launcher>,
     plan: StartPlan,
 ) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
+    begin(launcher, plan)?.wait()
+}
+
+/// A supervisor thread launching its VM.
+pub(crate) struct Launching {
+    ops: Sender<Op>,
+    reply: Receiver<Result<Arc<AgentClient>, OrchError>>,
+    wait: Duration,
+}
+
+impl Launching {
+    /// Waits until the guest agent answers (or the launch failed and was undone).
+    pub(crate) fn wait(self) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
+        let agent = self.reply.recv_timeout(self.wait).map_err(|_| {
+            OrchError::Internal("sandbox supervisor did not report its launch".into())
+        })??;
+        Ok((self.ops, agent))
+    }
+}
+
+/// Starts the supervisor thread, which launches the VM; [`Launching::wait`] for it.
+pub(crate) fn begin(launcher: &Arc<Launcher>, plan: StartPlan) -> Result<Launching, OrchError> {
     let (launch_tx, launch_rx) = crossbeam_channel::bounded(1);
     let (ops_tx, ops_rx) = crossbeam_channel::unbounded();
     let thread_launcher = launcher.clone();
     spawn_supervisor(plan, launcher.spawn, &**launcher, move |plan| {
         supervise(thread_launcher, plan, launch_tx, ops_rx)
     })?;
-    let wait = Duration::from_secs(launcher.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK;
-    let agent = launch_rx.recv_timeout(wait).map_err(|_| {
-        OrchError::Internal("sandbox supervisor did not report its launch".into())
-    })??;
-    Ok((ops_tx, agent))
+    Ok(Launching {
+        ops: ops_tx,
+        reply: launch_rx,
+        wait: Duration::from_secs(launcher.vm.ready_timeout_secs) + LAUNCH_REPLY_SLACK,
+    })
 }
 
 /// The running resources a supervisor owns, and the instance the extension knows.
@@ -273,14 +308,41 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         reservation,
         on_vm_exit,
     } = plan;
+    let mut instance = instance;
     let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
         launcher.hooks.stop(instance, StopReason::StartFailed);
         launcher.net.release(slot);
         OrchError::Internal(e.to_string())
     };
+    // A restore's hook outcome, which must be taken on every path (the instance it
+    // brings is owed a stop).
+    let (hook, failed_reason) = match &launch {
+        Launch::Restore {
+            hook,
+            failed_reason,
+            ..
+        } => (Some(hook.clone()), *failed_reason),
+        Launch::Cold { .. } => (None, StopReason::StartFailed),
+    };
+    let take_hook = |instance: &mut Instance| -> Result<(), HookError> {
+        let Some(hook) = &hook else { return Ok(()) };
+        match hook.recv() {
+            Ok(outcome) => {
+                *instance = outcome.instance;
+                outcome.result
+            }
+            Err(_) => Err(HookError::Failed {
+                hook: crate::hooks::Hook::StartResume,
+                cause: crate::hooks::Cause::Connection("the start was abandoned".into()),
+            }),
+        }
+    };
     let netns = match slot.open_netns() {
         Ok(f) => f,
-        Err(e) => return Err(fail(slot, instance, &e)),
+        Err(e) => {
+            let _ = take_hook(&mut instance);
+            return Err(fail(slot, instance, &e));
+        }
     };
     let tap = Some(crate::net::TAP_NAME.to_string());
     let qemu_binary = launcher.vm.qemu_binary.clone();
@@ -307,7 +369,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             let memory = memory_file.map(|path| MemoryFile { path, shared: true });
             launcher.machines.boot(spec, memory)
         }
-        Launch::Restore { record, disk } => {
+        Launch::Restore { record, disk, .. } => {
             let spec = RestoreSpec {
                 run_dir: run_dir.path().to_path_buf(),
                 disk,
@@ -319,10 +381,35 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             launcher.machines.restore(&record, spec)
         }
     };
-    let vm = match spawned {
+    let prepared = Instant::now();
+    let hooked = take_hook(&mut instance);
+    if hook.is_some() {
+        log::info!(
+            "sandboxId={id} op=launch hookWaitMs={} hook={}",
+            prepared.elapsed().as_millis(),
+            if hooked.is_ok() { "ok" } else { "failed" }
+        );
+    }
+    if let Err(e) = hooked {
+        // Rollback before the answer (custom-extension.md §7.3): the VM never ran; stop
+        // for the attempt, then the slot; the reservation goes on return.
+        if let Ok(vm) = spawned {
+            vm.kill();
+        }
+        launcher.hooks.stop(instance, failed_reason);
+        launcher.net.release(slot);
+        return Err(super::start::hook_error(e));
+    }
+    let mut vm = match spawned {
         Ok(vm) => vm,
         Err(e) => return Err(fail(slot, instance, &e)),
     };
+    if restored {
+        if let Err(e) = vm.resume_vcpus() {
+            vm.kill();
+            return Err(fail(slot, instance, &e));
+        }
+    }
     let mut runtime = Runtime {
         vm,
         slot: Some(slot),
