@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::registry::{Auth, TestLayer, TestRegistry};
 use common::{base_image, Server, API_KEY};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -199,13 +200,16 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     ]);
     assert!(seen.starts_with("200000"), "{seen}");
 
-    // template build (cold boot 2): plain progress lines off a terminal, then ready.
+    // template build (cold boot 2) from a registry on loopback: plain progress lines off
+    // a terminal (phases, the image's bytes), then ready.
+    let registry = TestRegistry::start(Auth::Anonymous);
+    let (reference, layer_bytes) = push_bootable_image(&registry);
     let out = cli.run(&[
         "template",
         "build",
         "cli-tpl",
         "--image",
-        &image,
+        &reference,
         "--start-cmd",
         "echo built > /etc/cli-mark",
     ]);
@@ -215,7 +219,21 @@ fn cli_drives_every_subcommand_against_a_real_server() {
         "build failed: {progress}\n{}",
         server.log()
     );
-    assert!(progress.contains("ready"), "{progress}");
+    for phase in ["booting", "ready"] {
+        assert!(
+            progress.contains(&format!(": {phase} after ")),
+            "no {phase} line:\n{progress}"
+        );
+    }
+    assert!(
+        progress.contains(&format!(
+            "cli-tpl: pulled {layer_bytes} of {layer_bytes} bytes (100%)"
+        )),
+        "no pulled-bytes line for {layer_bytes} bytes:\n{progress}"
+    );
+    let built = cli.json(&["template", "ls"]);
+    assert_eq!(built[0]["progress"]["phase"], "ready", "{built}");
+    assert_eq!(built[0]["progress"]["pullBytesTotal"], layer_bytes);
     let templates = cli.ok(&["template", "ls"]);
     let row = templates
         .lines()
@@ -230,15 +248,37 @@ fn cli_drives_every_subcommand_against_a_real_server() {
         cli.ok(&["sandbox", "exec", &from_tpl, "--", "cat", "/etc/cli-mark"]),
         "built\n"
     );
-    // A build that cannot succeed: refused (7) or ended in error (8), never 0.
+    // Builds that fail (no such tag; no VM boots): --json prints the final template and
+    // the exit code is 8; on a terminal the bar ends on the failed phase.
+    let missing = format!("{}/cli:missing", registry.addr);
     let out = cli.run(&[
-        "template",
-        "build",
-        "cli-bad",
-        "--image",
-        "oci:/nonexistent/layout",
+        "--json", "template", "build", "cli-bad", "--image", &missing,
     ]);
-    assert!(matches!(out.status.code(), Some(7) | Some(8)), "{out:?}");
+    assert_eq!(out.status.code(), Some(8), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["buildStatus"], "error", "{v}");
+    assert_eq!(v["progress"]["phase"], "failed", "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("cli:missing"), "{v}");
+    let agentenv = env!("CARGO_BIN_EXE_agentenv");
+    let out = Command::new("script")
+        .args([
+            "-qec",
+            &format!("{agentenv} template build cli-bad-tty --image {missing}"),
+            "/dev/null",
+        ])
+        .env("AENV_URL", &server.base)
+        .env("AENV_API_KEY", API_KEY)
+        .env_remove("AENV_CONFIG_PATH")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(8), "{screen}");
+    assert!(
+        screen.contains("cli-bad-tty [") && screen.contains("failed"),
+        "no progress bar on a terminal:\n{screen}"
+    );
+    drop(registry);
 
     // Errors say what failed.
     let unknown = "0190d5a0-0000-7000-8000-000000000000";
@@ -268,7 +308,7 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     cli.ok(&["sandbox", "rm", &id, &child, &from_tpl]);
     assert_eq!(cli.json(&["sandbox", "ls"]), Value::Array(vec![]));
     cli.ok(&["snapshot", "rm", "cli-snap"]);
-    cli.ok(&["template", "rm", "cli-tpl", "cli-bad"]);
+    cli.ok(&["template", "rm", "cli-tpl", "cli-bad", "cli-bad-tty"]);
     assert_eq!(cli.json(&["template", "ls"]), Value::Array(vec![]));
     assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
 }
@@ -397,4 +437,45 @@ fn exec_streams_and_says_how_the_command_ended(cli: &Cli, id: &str) {
         ]),
         4
     );
+}
+
+/// Pushes a small bootable image (busybox, the directories a guest needs, 1 MiB of
+/// filler in a second, uncompressed layer) as `cli:v1`; returns its reference and the
+/// sum of its layers' sizes.
+fn push_bootable_image(registry: &TestRegistry) -> (String, u64) {
+    use agentenv::image::LayerBuilder;
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    let mut one = LayerBuilder::new();
+    one.dir("bin", 0o755).file("bin/busybox", 0o755, &busybox);
+    for applet in [
+        "sh", "cat", "echo", "ls", "touch", "sleep", "wc", "id", "true",
+    ] {
+        one.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    for d in ["etc", "root", "proc", "sys", "dev", "tmp", "run"] {
+        one.dir(d, 0o755);
+    }
+    let filler: Vec<u8> = (0..1u32 << 20).map(|i| (i * 131 % 251) as u8).collect();
+    let mut two = LayerBuilder::new();
+    two.dir("opt", 0o755).file("opt/filler", 0o644, &filler);
+    let layers = [
+        TestLayer {
+            tar: one.finish(),
+            gzip: true,
+        },
+        TestLayer {
+            tar: two.finish(),
+            gzip: false,
+        },
+    ];
+    let image = registry.push_image("cli", "amd64", "/", &layers, false);
+    registry.tag("cli", "v1", &image);
+    let manifest: Value = serde_json::from_slice(&image.bytes).unwrap();
+    let total = manifest["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    (format!("{}/cli:v1", registry.addr), total)
 }

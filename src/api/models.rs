@@ -141,6 +141,9 @@ pub fn template(
             v["reason"] = json!(reason);
         }
     }
+    let (phase, (done, total)) =
+        build.map_or(("ready", (0, 0)), |b| (b.phase().as_str(), b.pull_bytes()));
+    v["progress"] = json!({"phase": phase, "pullBytesDone": done, "pullBytesTotal": total});
     v
 }
 

@@ -490,43 +490,104 @@ fn template_build(c: &Client, out: &Output, a: &mut Args) -> Result<u8, CliError
     }
 }
 
-/// Polls `GET /templates/{id}` until the build ends. The API reports the phase
-/// (`waiting` → `building` → `ready`|`error`), not byte counts: a terminal gets a bar by
-/// phase with the elapsed time, anything else one line per phase change.
+/// The phases of a build in order (api.md §4.15), for the bar.
+const BUILD_PHASES: [&str; 8] = [
+    "queued",
+    "pulling",
+    "unpacking",
+    "building_disk",
+    "booting",
+    "start_cmd",
+    "capturing",
+    "ready",
+];
+
+/// Polls `GET /templates/{id}` until the build ends, showing its `progress` on stderr: on
+/// a terminal one line redrawn (a bar over the phases, the pulled bytes, the elapsed
+/// time); otherwise a line per phase change and per quarter of the image's bytes.
 fn wait_for_build(c: &Client, name: &str, id: &str, quiet: bool) -> Result<Value, CliError> {
     let tty = !quiet && std::io::stderr().is_terminal();
     let start = Instant::now();
-    let mut last = String::new();
+    let mut last_phase = String::new();
+    let mut last_quarter = None;
+    let mut last_fraction = 0.0;
     loop {
         let (v, _) = c.json("GET", &format!("/templates/{}", client::encode(id)), None)?;
         let status = str_field(&v, "buildStatus");
+        let p = &v["progress"];
+        let phase = p["phase"].as_str().unwrap_or(&status).to_string();
+        let bytes = p["pullBytesDone"].as_u64().unwrap_or(0);
+        let total = p["pullBytesTotal"].as_u64().unwrap_or(0);
         let secs = start.elapsed().as_secs();
-        let done = status == "ready" || status == "error";
+        let ended = status == "ready" || status == "error";
         if tty {
-            let step = match status.as_str() {
-                "waiting" => 1,
-                "building" => 2,
-                _ => 3,
+            let step = BUILD_PHASES.iter().position(|p| *p == phase);
+            let pulled = if total > 0 {
+                bytes as f64 / total as f64
+            } else {
+                0.0
             };
+            // A failed build's bar stays where it stopped.
+            let fraction = match step {
+                Some(1) => pulled / 6.0,
+                Some(i) => (i.saturating_sub(1) as f64 / 6.0).min(1.0),
+                None => last_fraction,
+            };
+            last_fraction = fraction;
+            let filled = (fraction * 30.0).round() as usize;
             let bar: String = (0..30)
-                .map(|i| if i < step * 10 { '#' } else { '.' })
+                .map(|i| if i < filled { '#' } else { '.' })
                 .collect();
+            let size = if total > 0 {
+                format!("{}/{}", human_bytes(bytes), human_bytes(total))
+            } else {
+                String::new()
+            };
             eprint!(
-                "\r{name} [{bar}] {status:<9} {:02}:{:02}",
+                "\r\x1b[K{name} [{bar}] {phase:<13} {size:<19} {:02}:{:02}",
                 secs / 60,
                 secs % 60
             );
-            if done {
+            if ended {
                 eprintln!();
             }
-        } else if !quiet && status != last {
-            eprintln!("template {name} ({id}): {status} after {secs}s");
+        } else if !quiet {
+            let quarter = match total {
+                0 => None,
+                t => Some(bytes.saturating_mul(4) / t),
+            };
+            if quarter.is_some() && quarter > last_quarter {
+                eprintln!(
+                    "template {name}: pulled {bytes} of {total} bytes ({}%)",
+                    bytes.saturating_mul(100) / total.max(1)
+                );
+                last_quarter = quarter;
+            }
+            if phase != last_phase {
+                eprintln!("template {name} ({id}): {phase} after {secs}s");
+            }
         }
-        if done {
+        if ended {
             return Ok(v);
         }
-        last = status;
-        std::thread::sleep(Duration::from_millis(500));
+        last_phase = phase;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `n` bytes for people: `512 B`, `3.4 MiB`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
     }
 }
 
@@ -699,6 +760,13 @@ fn key_values(v: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_counts_for_people() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 20 | 400 << 10), "3.4 MiB");
+        assert_eq!(human_bytes(u64::MAX), "16777216.0 TiB");
+    }
 
     #[test]
     fn remote_paths_need_an_id_and_an_absolute_path() {

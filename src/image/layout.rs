@@ -185,8 +185,13 @@ pub trait BlobSource: Send + Sync {
     /// [`VerifyingReader`].
     fn open_blob(&self, desc: &Descriptor) -> Result<Box<dyn Read + Send>, ImageError>;
     /// Makes the layers local before they are applied (a registry downloads them in
-    /// parallel into the cache). Local sources have nothing to do.
-    fn prefetch(&self, _layers: &[Descriptor]) -> Result<(), ImageError> {
+    /// parallel into the cache), adding their bytes to `progress`. Local sources have
+    /// nothing to do.
+    fn prefetch(
+        &self,
+        _layers: &[Descriptor],
+        _progress: &super::Progress,
+    ) -> Result<(), ImageError> {
         Ok(())
     }
 }

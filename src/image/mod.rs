@@ -10,6 +10,7 @@
 
 pub mod cache;
 pub mod layout;
+mod progress;
 pub mod reference;
 pub mod registry;
 pub mod rootfs;
@@ -26,6 +27,7 @@ use std::time::Instant;
 use cache::{BlobCache, KeyedLocks};
 pub use cache::{CacheEntry, EntryKind};
 use layout::{BlobSource, Compression, LayoutSource, ResolvedImage, VerifyingReader};
+pub use progress::{ImagePhase, Progress};
 pub use reference::{Reference, RegistryReference};
 use registry::RegistryClient;
 pub use registry::{ImageOptions, RegistrySource};
@@ -198,9 +200,19 @@ impl ImageStore {
         reference: &str,
         disk_size_mb: u32,
     ) -> Result<PreparedImage, ImageError> {
+        self.prepare_rootfs_with(reference, disk_size_mb, &Progress::default())
+    }
+
+    /// [`ImageStore::prepare_rootfs`], reporting its phases and layer bytes to `progress`.
+    pub fn prepare_rootfs_with(
+        &self,
+        reference: &str,
+        disk_size_mb: u32,
+        progress: &Progress,
+    ) -> Result<PreparedImage, ImageError> {
         let parsed = Reference::parse(reference)?;
         let normalised = parsed.to_string();
-        self.prepare_parsed(&parsed, disk_size_mb)
+        self.prepare_parsed(&parsed, disk_size_mb, progress)
             .map_err(|e| e.in_context(&normalised))
     }
 
@@ -208,6 +220,7 @@ impl ImageStore {
         &self,
         parsed: &Reference,
         disk_size_mb: u32,
+        progress: &Progress,
     ) -> Result<PreparedImage, ImageError> {
         if disk_size_mb == 0 {
             return Err(ImageError::InvalidReference(
@@ -217,6 +230,13 @@ impl ImageStore {
         let started = Instant::now();
         let source = self.source_for(parsed)?;
         let image = layout::resolve(source.as_ref())?;
+        progress.set_total(
+            image
+                .manifest
+                .layers
+                .iter()
+                .fold(0u64, |sum, l| sum.saturating_add(l.size)),
+        );
         let mut timings = PhaseTimings {
             resolve_ms: elapsed_ms(started),
             cache_hit: true,
@@ -238,6 +258,7 @@ impl ImageStore {
                 disk_size_mb,
                 &base_disk,
                 &mut timings,
+                progress,
             )?;
             self.builds.fetch_add(1, Ordering::Relaxed);
             timings.cache_hit = false;
@@ -255,6 +276,9 @@ impl ImageStore {
         })?;
         timings.total_ms = elapsed_ms(started);
         *self.last_timings.lock() = timings;
+        // Built or found cached: nothing is left to pull.
+        progress.all_done();
+        progress.set_phase(ImagePhase::Done);
         if built && self.cache_max_bytes > 0 {
             let busy = |p: &Path| {
                 p == base_disk
@@ -297,16 +321,13 @@ impl ImageStore {
         disk_size_mb: u32,
         base_disk: &Path,
         timings: &mut PhaseTimings,
+        progress: &Progress,
     ) -> Result<(), ImageError> {
         let tmp_root = self.cache_dir.join("tmp");
         crate::store::ensure_private_dir(&tmp_root).map_err(|e| ImageError::Io(e.to_string()))?;
         // Compressed layers larger than the disk cannot fit it unpacked: refuse before
         // downloading anything.
-        let compressed: u64 = image
-            .manifest
-            .layers
-            .iter()
-            .fold(0u64, |sum, l| sum.saturating_add(l.size));
+        let (_, compressed) = progress.bytes();
         if compressed > u64::from(disk_size_mb) << 20 {
             return Err(ImageError::TooSmall {
                 needed_mb: rootfs::needed_mb(rootfs::TreeUsage {
@@ -316,7 +337,9 @@ impl ImageStore {
             });
         }
         let started = Instant::now();
-        source.prefetch(&image.manifest.layers)?;
+        source.prefetch(&image.manifest.layers, progress)?;
+        progress.all_done();
+        progress.set_phase(ImagePhase::Unpacking);
         timings.download_ms = elapsed_ms(started);
         let started = Instant::now();
         let unique = cache::temp_name(key);
@@ -367,6 +390,7 @@ impl ImageStore {
         let fixups = unpacker.finish()?;
         timings.unpack_ms = elapsed_ms(started);
         let started = Instant::now();
+        progress.set_phase(ImagePhase::BuildingDisk);
 
         let usage = rootfs::measure(staging.path())?;
         if !rootfs::fits(usage, u64::from(disk_size_mb)) {

@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io::{Cursor, Read};
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use super::layout::{
     OCI_MANIFEST,
 };
 use super::reference::RegistryReference;
-use super::ImageError;
+use super::{ImageError, Progress};
 
 /// Manifests larger than this are refused.
 const MAX_MANIFEST: u64 = 8 << 20;
@@ -867,12 +868,25 @@ impl RegistrySource {
 
     /// The blob, downloaded into the cache if absent, pinned for this pull.
     fn cached_blob(&self, desc: &Descriptor) -> Result<PathBuf, ImageError> {
+        self.cached_blob_counted(desc, &Progress::default())
+    }
+
+    /// [`RegistrySource::cached_blob`], its bytes added to `progress` as they arrive
+    /// (all of them at once when the cache had it).
+    fn cached_blob_counted(
+        &self,
+        desc: &Descriptor,
+        progress: &Progress,
+    ) -> Result<PathBuf, ImageError> {
         let what = format!("reference={} blob={}", self.reference, desc.digest);
+        let counted = Arc::new(AtomicU64::new(0));
         let path = self
             .cache
             .get_or_fetch(&desc.digest, Some(desc.size), &what, || {
-                self.client.open_blob(&self.reference, desc)
+                let blob = self.client.open_blob(&self.reference, desc)?;
+                Ok(progress.counting(blob, counted.clone()))
             })?;
+        progress.add(desc.size.saturating_sub(counted.load(Ordering::Relaxed)));
         self.pins.lock().push(self.cache.pin(&path));
         Ok(path)
     }
@@ -944,7 +958,7 @@ impl BlobSource for RegistrySource {
         Ok(Box::new(file))
     }
 
-    fn prefetch(&self, layers: &[Descriptor]) -> Result<(), ImageError> {
+    fn prefetch(&self, layers: &[Descriptor], progress: &Progress) -> Result<(), ImageError> {
         let next = std::sync::atomic::AtomicUsize::new(0);
         let first_error: Mutex<Option<ImageError>> = Mutex::new(None);
         std::thread::scope(|s| {
@@ -955,7 +969,7 @@ impl BlobSource for RegistrySource {
                     }
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let Some(layer) = layers.get(i) else { return };
-                    if let Err(e) = self.cached_blob(layer) {
+                    if let Err(e) = self.cached_blob_counted(layer, progress) {
                         first_error.lock().get_or_insert(e);
                         return;
                     }

@@ -55,6 +55,64 @@ impl BuildStatus {
     }
 }
 
+/// What a build is doing, as `GET /templates/{id}` shows it (api.md §4.15).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildPhase {
+    Queued,
+    Pulling,
+    Unpacking,
+    BuildingDisk,
+    Booting,
+    StartCmd,
+    Capturing,
+    Ready,
+    Failed,
+}
+
+impl BuildPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildPhase::Queued => "queued",
+            BuildPhase::Pulling => "pulling",
+            BuildPhase::Unpacking => "unpacking",
+            BuildPhase::BuildingDisk => "building_disk",
+            BuildPhase::Booting => "booting",
+            BuildPhase::StartCmd => "start_cmd",
+            BuildPhase::Capturing => "capturing",
+            BuildPhase::Ready => "ready",
+            BuildPhase::Failed => "failed",
+        }
+    }
+}
+
+/// A build's progress, shared by its build thread and readers. Not stored: a restart
+/// ends every running build.
+#[derive(Debug, Clone, Default)]
+pub struct BuildProgress {
+    /// Set once the image is ready (the VM steps); before that the image's phase counts.
+    vm_phase: Arc<Mutex<Option<BuildPhase>>>,
+    image: crate::image::Progress,
+}
+
+impl BuildProgress {
+    fn set(&self, phase: BuildPhase) {
+        *self.vm_phase.lock() = Some(phase);
+    }
+
+    fn phase(&self) -> BuildPhase {
+        use crate::image::ImagePhase;
+        if let Some(p) = *self.vm_phase.lock() {
+            return p;
+        }
+        match self.image.phase() {
+            ImagePhase::Pulling => BuildPhase::Pulling,
+            ImagePhase::Unpacking => BuildPhase::Unpacking,
+            ImagePhase::BuildingDisk => BuildPhase::BuildingDisk,
+            ImagePhase::Done => BuildPhase::Booting,
+        }
+    }
+}
+
 /// One template build, as `GET /templates` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -70,6 +128,25 @@ pub struct TemplateBuild {
     pub reason: Option<String>,
     pub created_at: SystemTime,
     pub updated_at: SystemTime,
+    #[serde(skip)]
+    pub progress: BuildProgress,
+}
+
+impl TemplateBuild {
+    pub fn phase(&self) -> BuildPhase {
+        match self.status {
+            BuildStatus::Waiting => BuildPhase::Queued,
+            BuildStatus::Building => self.progress.phase(),
+            BuildStatus::Ready => BuildPhase::Ready,
+            BuildStatus::Error => BuildPhase::Failed,
+        }
+    }
+
+    /// The image's layer bytes (local so far, in all), from the manifest's sizes; (0, 0)
+    /// when not known (a build of an earlier server run).
+    pub fn pull_bytes(&self) -> (u64, u64) {
+        self.progress.image.bytes()
+    }
 }
 
 /// The builds, and the queue of waiting ones. Waiting builds hold no thread: at most
@@ -179,6 +256,7 @@ pub(crate) fn submit(
         reason: None,
         created_at: now,
         updated_at: now,
+        progress: BuildProgress::default(),
     };
     if let Err(e) = save(&shared.builds.dir, &build) {
         shared.snapshots.release_name(&req.name);
@@ -229,7 +307,8 @@ fn run_builds(shared: &Arc<Shared>) {
 fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
     let builds = &shared.builds;
     builds.update(id, BuildStatus::Building, None);
-    let result = build(shared, id, &req);
+    let progress = builds.find(id).map(|b| b.progress).unwrap_or_default();
+    let result = build(shared, id, &req, &progress);
     match result {
         Ok(()) => {
             builds.update(id, BuildStatus::Ready, None);
@@ -254,10 +333,18 @@ fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
 }
 
 /// The build itself. The build sandbox is internal: its id is never shown by the API.
-fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Result<(), OrchError> {
-    let image = shared
-        .images
-        .prepare_rootfs(&req.image, req.resources.disk_size_mb)?;
+fn build(
+    shared: &Arc<Shared>,
+    template_id: &str,
+    req: &TemplateRequest,
+    progress: &BuildProgress,
+) -> Result<(), OrchError> {
+    let image = shared.images.prepare_rootfs_with(
+        &req.image,
+        req.resources.disk_size_mb,
+        &progress.image,
+    )?;
+    progress.set(BuildPhase::Booting);
     let sandbox_id = crate::util::new_id();
     let run_dir = RunDir::create(
         shared
@@ -307,6 +394,7 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
     let mut env: BTreeMap<String, String> = image.env.iter().cloned().collect();
     env.extend(req.env_vars.clone());
     if let Some(cmd) = &req.start_cmd {
+        progress.set(BuildPhase::StartCmd);
         let timeout = Duration::from_secs(shared.config.templates.start_cmd_timeout_secs);
         let ran = agent.exec(&ExecRequest {
             cmd: "/bin/sh".into(),
@@ -337,6 +425,7 @@ fn build(shared: &Arc<Shared>, template_id: &str, req: &TemplateRequest) -> Resu
             return Err(OrchError::BadRequest(reason));
         }
     }
+    progress.set(BuildPhase::Capturing);
     let (tx, rx) = crossbeam_channel::bounded(1);
     ops.send(Op::Snapshot {
         dir: shared.snapshots.dir(template_id),
