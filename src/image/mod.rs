@@ -244,7 +244,7 @@ impl ImageStore {
         };
         let hex = layout::digest_hex(&image.manifest_digest)?.to_string();
         let key = format!("{hex}-{disk_size_mb}M");
-        let base_disk = self.cache_dir.join(format!("{key}.ext4"));
+        let base_disk = self.base_disk_path(&key);
 
         let built = self.building.with(&key, || {
             if base_disk.is_file() {
@@ -256,7 +256,6 @@ impl ImageStore {
                 &image,
                 &key,
                 disk_size_mb,
-                &base_disk,
                 &mut timings,
                 progress,
             )?;
@@ -313,16 +312,22 @@ impl ImageStore {
         })
     }
 
+    /// `<cache>/<manifest hex>-<size>M.ext4` for the key `<manifest hex>-<size>M`.
+    fn base_disk_path(&self, key: &str) -> PathBuf {
+        self.cache_dir.join(format!("{key}.ext4"))
+    }
+
+    /// Builds the base disk of `key` ([`ImageStore::base_disk_path`]).
     fn build(
         &self,
         source: &dyn BlobSource,
         image: &ResolvedImage,
         key: &str,
         disk_size_mb: u32,
-        base_disk: &Path,
         timings: &mut PhaseTimings,
         progress: &Progress,
     ) -> Result<(), ImageError> {
+        let base_disk = &self.base_disk_path(key);
         let tmp_root = self.cache_dir.join("tmp");
         crate::store::ensure_private_dir(&tmp_root).map_err(|e| ImageError::Io(e.to_string()))?;
         // Compressed layers larger than the disk cannot fit it unpacked: refuse before
