@@ -31,7 +31,13 @@ impl Transport {
             .timeout_connect(timeout)
             .redirects(0)
             .user_agent(&format!("agentenv/{}", env!("CARGO_PKG_VERSION")))
-            .max_idle_connections_per_host(32)
+            // A fresh connection per attempt. On a reused keep-alive connection the
+            // client's kernel delays its ACKs (it sees an interactive exchange), and an
+            // extension that writes the response head and body in two writes with Nagle
+            // on (Python's http.server, many frameworks) then holds the body until that
+            // delayed ACK: 40+ ms per hook. A new loopback connection costs ~0.1 ms.
+            .max_idle_connections(0)
+            .max_idle_connections_per_host(0)
             .build();
         Transport {
             agent,
@@ -133,5 +139,72 @@ impl Transport {
             Some(m) => format!("{}: {m}", t.kind()),
             None => t.kind().to_string(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+
+    /// An extension that keeps connections alive (HTTP/1.1) and answers head and body
+    /// in two writes, like Python's http.server: every attempt still arrives on a
+    /// connection of its own, so no attempt waits on a reused connection's delayed ACK.
+    #[test]
+    fn every_attempt_uses_a_fresh_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let mut connections = 0;
+            let mut requests = 0;
+            while requests < 3 {
+                let (stream, _) = listener.accept().unwrap();
+                connections += 1;
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut writer = stream;
+                // Serve requests on this connection until the client closes it.
+                loop {
+                    let mut len = 0usize;
+                    let mut line = String::new();
+                    let mut saw_request = false;
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            break;
+                        }
+                        saw_request = true;
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap();
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    if !saw_request {
+                        break;
+                    }
+                    let mut body = vec![0u8; len];
+                    std::io::Read::read_exact(&mut reader, &mut body).unwrap();
+                    requests += 1;
+                    writer
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n")
+                        .unwrap();
+                    writer.write_all(b"{}").unwrap();
+                    if requests == 3 {
+                        break;
+                    }
+                }
+            }
+            connections
+        });
+        let transport = Transport::new(format!("http://127.0.0.1:{port}"), None, 5000);
+        for attempt in 1..=3 {
+            let body = transport
+                .send(Hook::StartResume, b"{}", attempt, None)
+                .unwrap();
+            assert_eq!(body, b"{}");
+        }
+        assert_eq!(server.join().unwrap(), 3, "one connection per attempt");
     }
 }
