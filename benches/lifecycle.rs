@@ -214,7 +214,7 @@ fn main() {
     );
     println!();
     println!(
-        "Floors: QEMU by hand (explicit argv like the product's, user-mode NIC) over QMP, \
+        "Floors: QEMU by hand (explicit argv like the product's, an unconnected NIC) over QMP, \
          the guest agent over its virtio-serial socket. create = fresh overlay + spawn with \
          `-incoming defer` + migrate-incoming + cont + the agent's first answer (built \
          template: RAM mapped copy-on-write from the floor template's RAM file); first \
