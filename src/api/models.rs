@@ -171,3 +171,23 @@ pub fn sandbox_metric(sample: &Value) -> Value {
         "diskTotal": int("disk_total"),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::orchestrator::SandboxState;
+
+    #[test]
+    fn a_guest_protocol_violation_shows_in_the_detail_only_when_there_is_one() {
+        let mut info = crate::orchestrator::fakes::info("sb", SandboxState::Running);
+        assert!(sandbox_detail(&info, "0")
+            .get("guestProtocolViolation")
+            .is_none());
+        info.guest_protocol_violation = Some("the guest broke the agent protocol".into());
+        let v = sandbox_detail(&info, "0");
+        assert_eq!(
+            v["guestProtocolViolation"],
+            "the guest broke the agent protocol"
+        );
+    }
+}

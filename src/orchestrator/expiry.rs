@@ -11,6 +11,7 @@ use crate::hooks::StopReason;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 const CHECK_INTERVAL: Duration = Duration::from_secs(1);
@@ -20,7 +21,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
 /// Expiries in flight, and when failed ones may run again.
 #[derive(Default)]
-struct Backoff {
+pub(crate) struct Backoff {
     sandboxes: HashMap<String, Attempts>,
 }
 
@@ -74,41 +75,54 @@ pub(crate) fn spawn(registry: Weak<Registry>) {
             let Some(registry) = registry.upgrade() else {
                 return;
             };
-            let now = SystemTime::now();
-            let expired = expired(&registry, now);
-            backoff.lock().keep_only(&expired);
-            for (id, auto_pause) in expired {
-                if !backoff.lock().start(&id, now) {
-                    continue;
-                }
-                let registry = registry.clone();
-                // Each expiry runs on its own thread so a slow teardown never delays
-                // another sandbox's expiry.
-                let spawned = std::thread::Builder::new().name("expire".into()).spawn({
-                    let id = id.clone();
-                    let backoff = backoff.clone();
-                    move || {
-                        let result = if auto_pause {
-                            pause(&registry, &id, StopReason::TimeoutPause).map(|()| "paused")
-                        } else {
-                            delete(&registry, &id, StopReason::TimeoutKill).map(|()| "deleted")
-                        };
-                        backoff.lock().done(&id, result.is_ok(), SystemTime::now());
-                        match result {
-                            Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
-                            Err(e) => log::warn!(
-                                "sandboxId={id} op=expire error=\"{e}\" (retried with backoff)"
-                            ),
-                        }
-                    }
-                });
-                if let Err(e) = spawned {
-                    log::warn!("sandboxId={id} op=expire error=\"cannot spawn a thread: {e}\"");
-                    backoff.lock().done(&id, false, SystemTime::now());
-                }
-            }
+            tick(&registry, &backoff, SystemTime::now());
         })
         .expect("spawn expiry thread");
+}
+
+/// One check: every running sandbox past `endAt` whose backoff allows it is paused or
+/// deleted on a thread of its own (so a slow teardown never delays another sandbox's
+/// expiry). Returns those threads.
+pub(crate) fn tick(
+    registry: &Arc<Registry>,
+    backoff: &Arc<Mutex<Backoff>>,
+    now: SystemTime,
+) -> Vec<JoinHandle<()>> {
+    let expired = expired(registry, now);
+    backoff.lock().keep_only(&expired);
+    let mut threads = Vec::new();
+    for (id, auto_pause) in expired {
+        if !backoff.lock().start(&id, now) {
+            continue;
+        }
+        let registry = registry.clone();
+        let spawned = std::thread::Builder::new().name("expire".into()).spawn({
+            let id = id.clone();
+            let backoff = backoff.clone();
+            move || {
+                let result = if auto_pause {
+                    pause(&registry, &id, StopReason::TimeoutPause).map(|()| "paused")
+                } else {
+                    delete(&registry, &id, StopReason::TimeoutKill).map(|()| "deleted")
+                };
+                backoff.lock().done(&id, result.is_ok(), SystemTime::now());
+                match result {
+                    Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
+                    Err(e) => {
+                        log::warn!("sandboxId={id} op=expire error=\"{e}\" (retried with backoff)")
+                    }
+                }
+            }
+        });
+        match spawned {
+            Ok(thread) => threads.push(thread),
+            Err(e) => {
+                log::warn!("sandboxId={id} op=expire error=\"cannot spawn a thread: {e}\"");
+                backoff.lock().done(&id, false, SystemTime::now());
+            }
+        }
+    }
+    threads
 }
 
 fn expired(registry: &Registry, now: SystemTime) -> Vec<(String, bool)> {

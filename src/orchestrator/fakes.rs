@@ -59,3 +59,296 @@ pub(crate) fn capture() -> crate::vm::CaptureRecord {
         disk_frozen: false,
     }
 }
+
+/// Counts what the start sequence and the supervisors hold; a test ends with all of it
+/// given back.
+pub(crate) mod sides {
+    use crate::agent::protocol::{
+        write_frame, Frame, FrameKind, FrameReader, Request, Response, PROTOCOL_VERSION,
+    };
+    use crate::agent::{AgentClient, AgentError};
+    use crate::hooks::{Cause, Hook, HookError, Instance, StartContext, StopReason};
+    use crate::net::{FakeHost, NetError, Slot, SlotManager, SlotStats};
+    use crate::orchestrator::sides::{Extension, Machine, Machines, Network};
+    use crate::vm::{CaptureRecord, CaptureStats, DiskCapture, MemoryFile, VmError, VmSpec};
+    use parking_lot::Mutex;
+    use serde_json::Value;
+    use std::os::unix::net::UnixStream;
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// Real slots over the recording fake host, counted.
+    pub(crate) struct FakeNet {
+        pub slots: Arc<SlotManager>,
+        pub host: Arc<FakeHost>,
+        pub fail_acquire: AtomicBool,
+        pub acquired: AtomicUsize,
+        pub released: AtomicUsize,
+    }
+
+    impl FakeNet {
+        pub fn new(cfg: &crate::config::NetworkConfig) -> Arc<FakeNet> {
+            let host = Arc::new(FakeHost::default());
+            let slots = SlotManager::start_with(host.clone(), cfg, &[]).unwrap();
+            Arc::new(FakeNet {
+                slots,
+                host,
+                fail_acquire: AtomicBool::new(false),
+                acquired: AtomicUsize::new(0),
+                released: AtomicUsize::new(0),
+            })
+        }
+    }
+
+    impl Network for FakeNet {
+        fn acquire(&self) -> Result<Slot, NetError> {
+            if self.fail_acquire.load(Ordering::SeqCst) {
+                return Err(NetError::NoFreeSlot { max_slots: 0 });
+            }
+            let slot = self.slots.acquire()?;
+            self.acquired.fetch_add(1, Ordering::SeqCst);
+            Ok(slot)
+        }
+        fn release(&self, slot: Slot) {
+            self.released.fetch_add(1, Ordering::SeqCst);
+            self.slots.release(slot)
+        }
+        fn stats(&self) -> SlotStats {
+            self.slots.stats()
+        }
+        fn shutdown(&self) {
+            self.slots.shutdown()
+        }
+    }
+
+    /// A recording extension: every hook as a line ("start-fresh sb-1", "stop sb-1
+    /// start-failed"), the instances it opened and not yet stopped, failures on demand.
+    #[derive(Default)]
+    pub(crate) struct FakeHooks {
+        pub fail_start: AtomicBool,
+        pub calls: Mutex<Vec<String>>,
+        open: Mutex<Vec<String>>,
+        next: AtomicUsize,
+    }
+
+    impl FakeHooks {
+        pub fn calls(&self) -> Vec<String> {
+            self.calls.lock().clone()
+        }
+
+        /// Instances a start hook opened that no stop has closed.
+        pub fn open_instances(&self) -> usize {
+            self.open.lock().len()
+        }
+
+        fn start(&self, hook: Hook, s: &StartContext) -> (Instance, Result<(), HookError>) {
+            self.calls.lock().push(format!("{hook} {}", s.sandbox_id));
+            let instance_id = format!("i{}", self.next.fetch_add(1, Ordering::SeqCst));
+            self.open.lock().push(instance_id.clone());
+            let instance = Instance {
+                sandbox_id: s.sandbox_id.clone(),
+                instance_id: Some(instance_id),
+            };
+            if self.fail_start.load(Ordering::SeqCst) {
+                let cause = Cause::Status(500);
+                return (instance, Err(HookError::Failed { hook, cause }));
+            }
+            (instance, Ok(()))
+        }
+    }
+
+    impl Extension for FakeHooks {
+        fn enabled(&self) -> bool {
+            true
+        }
+        fn start_fresh(
+            &self,
+            s: &StartContext,
+            _: usize,
+        ) -> (Instance, Result<Option<String>, HookError>) {
+            let (instance, r) = self.start(Hook::StartFresh, s);
+            (instance, r.map(|()| None))
+        }
+        fn start_resume(&self, s: &StartContext) -> (Instance, Result<(), HookError>) {
+            self.start(Hook::StartResume, s)
+        }
+        fn patch_params(&self, _: &str, patch: &Value) -> Result<Value, HookError> {
+            Ok(patch.clone())
+        }
+        fn stop(&self, instance: Instance, reason: StopReason) {
+            let Some(id) = instance.instance_id else {
+                return;
+            };
+            self.calls
+                .lock()
+                .push(format!("stop {} {reason}", instance.sandbox_id));
+            let mut open = self.open.lock();
+            let at = open.iter().position(|i| *i == id);
+            open.remove(at.expect("a stop for an instance that is not open"));
+        }
+        fn shutdown(&self) {}
+        fn render_metrics(&self, _: &mut String) {}
+    }
+
+    /// What the fake VMs do.
+    #[derive(Default, Clone, Copy)]
+    pub(crate) struct Script {
+        pub fail_boot: bool,
+        /// The VM runs but its guest agent never answers.
+        pub silent_agent: bool,
+        /// The guest breaks the agent protocol once it said hello.
+        pub hostile_agent: bool,
+        /// A pause fails and the VM runs on.
+        pub fail_pause: bool,
+    }
+
+    /// Fake VMs: no process, a fake guest agent on a socket pair.
+    #[derive(Default)]
+    pub(crate) struct FakeMachines {
+        pub script: Mutex<Script>,
+        /// VMs alive now.
+        pub alive: Arc<AtomicUsize>,
+        pub boots: AtomicUsize,
+        pub pauses: Arc<AtomicUsize>,
+    }
+
+    impl FakeMachines {
+        fn machine(&self, run_dir: &Path) -> Result<Box<dyn Machine>, VmError> {
+            let script = *self.script.lock();
+            if script.fail_boot {
+                return Err(VmError::InvalidSpec("the fake VM does not boot".into()));
+            }
+            self.boots.fetch_add(1, Ordering::SeqCst);
+            self.alive.fetch_add(1, Ordering::SeqCst);
+            Ok(Box::new(FakeMachine {
+                script,
+                run_dir: run_dir.to_path_buf(),
+                alive: self.alive.clone(),
+                pauses: self.pauses.clone(),
+                quit: false,
+            }))
+        }
+    }
+
+    impl Machines for FakeMachines {
+        fn boot(&self, spec: VmSpec, _: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError> {
+            self.machine(&spec.run_dir)
+        }
+        fn restore(
+            &self,
+            _: &CaptureRecord,
+            spec: crate::vm::RestoreSpec,
+        ) -> Result<Box<dyn Machine>, VmError> {
+            self.machine(&spec.run_dir)
+        }
+    }
+
+    struct FakeMachine {
+        script: Script,
+        run_dir: PathBuf,
+        alive: Arc<AtomicUsize>,
+        pauses: Arc<AtomicUsize>,
+        /// Paused (captured and quit).
+        quit: bool,
+    }
+
+    impl Drop for FakeMachine {
+        fn drop(&mut self) {
+            self.alive.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    impl Machine for FakeMachine {
+        fn connect_agent(&mut self, deadline: Instant) -> Result<AgentClient, AgentError> {
+            if self.script.silent_agent {
+                return Err(AgentError::Unreachable("the fake guest is silent".into()));
+            }
+            let (host, guest) = UnixStream::pair().expect("socket pair");
+            let hostile = self.script.hostile_agent;
+            std::thread::spawn(move || fake_guest(guest, hostile));
+            let client = AgentClient::from_stream(host)?;
+            client.ping(deadline.saturating_duration_since(Instant::now()))?;
+            Ok(client)
+        }
+        fn console_tail(&self, _: usize) -> String {
+            String::new()
+        }
+        fn exited(&mut self) -> Option<String> {
+            self.quit.then(|| "exit status: 0".to_string())
+        }
+        fn kill(self: Box<Self>) {}
+        fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
+            self.pauses.fetch_add(1, Ordering::SeqCst);
+            if self.script.fail_pause {
+                return Err(VmError::Migration {
+                    status: "failed".into(),
+                    message: "the fake VM cannot migrate".into(),
+                });
+            }
+            let record = capture_into(dir, &self.run_dir)?;
+            self.quit = true;
+            Ok((record, CaptureStats::default()))
+        }
+        fn capture(
+            &mut self,
+            dir: &Path,
+            _: DiskCapture,
+        ) -> Result<(CaptureRecord, CaptureStats), VmError> {
+            Ok((capture_into(dir, &self.run_dir)?, CaptureStats::default()))
+        }
+        fn resume_vcpus(&mut self) -> Result<(), VmError> {
+            Ok(())
+        }
+        fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
+            Ok(1)
+        }
+        fn flatten_disk(&mut self, _: Duration) -> Result<(), VmError> {
+            Ok(())
+        }
+    }
+
+    /// A capture into `dir` (its state file) of the disk in `run_dir`.
+    fn capture_into(dir: &Path, run_dir: &Path) -> Result<CaptureRecord, VmError> {
+        let io = |e| VmError::io("fake capture", e);
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut record = super::capture();
+        record.state_file = dir.join(crate::vm::capture::STATE_FILE);
+        record.disk = run_dir.join("disk.qcow2");
+        record.disk_layers = vec![record.disk.clone()];
+        std::fs::write(&record.state_file, b"state").map_err(io)?;
+        Ok(record)
+    }
+
+    /// Answers hello and set-time; a hostile guest then sends a frame only the host may
+    /// send.
+    fn fake_guest(stream: UnixStream, hostile: bool) {
+        let mut writer = stream.try_clone().expect("clone");
+        let mut reader = FrameReader::new(stream);
+        while let Ok(Some(frame)) = reader.read_frame() {
+            if frame.kind != FrameKind::Request {
+                continue;
+            }
+            let answer = match serde_json::from_slice::<Request>(&frame.payload) {
+                Ok(Request::Hello { .. }) => Response::Hello {
+                    version: PROTOCOL_VERSION,
+                    agent: "fake".into(),
+                },
+                Ok(Request::SetTime { .. }) => Response::Done,
+                _ => Response::Error {
+                    kind: crate::agent::protocol::ErrorKind::Io,
+                    message: "not in the fake guest".into(),
+                },
+            };
+            let reply = Frame::json(FrameKind::Response, frame.id, &answer);
+            if write_frame(&mut writer, &reply).is_err() {
+                return;
+            }
+            if hostile {
+                let bad = Frame::json(FrameKind::Request, 1, &Request::Hello { version: 1 });
+                let _ = write_frame(&mut writer, &bad);
+            }
+        }
+    }
+}

@@ -11,7 +11,9 @@ mod envd;
 mod error;
 mod expiry;
 #[cfg(test)]
-mod fakes;
+mod failure_tests;
+#[cfg(test)]
+pub(crate) mod fakes;
 mod lifecycle;
 mod metrics;
 mod operations;
@@ -200,7 +202,9 @@ impl Orchestrator {
 
     /// A visible sandbox's description.
     pub fn get(&self, id: &str) -> Result<SandboxInfo, OrchError> {
-        Ok(described(&*self.entry(id)?))
+        let entry = self.entry(id)?;
+        let info = entry.info.lock().clone();
+        Ok(info)
     }
 
     /// The last `lines` lines of a visible sandbox's guest console (api.md §4.20); empty
@@ -217,7 +221,7 @@ impl Orchestrator {
             .registry
             .entries()
             .iter()
-            .map(|e| described(e))
+            .map(|e| e.info.lock().clone())
             .filter(|i| i.state.api_state().is_some())
             .collect()
     }
@@ -643,21 +647,6 @@ pub(crate) fn delete(registry: &Registry, id: &str, reason: StopReason) -> Resul
     }
     log::info!("sandboxId={id} op=delete result=ok");
     Ok(())
-}
-
-/// A sandbox's description now, with a guest protocol violation its agent client saw
-/// noted (once seen, it stays).
-fn described(entry: &SandboxEntry) -> SandboxInfo {
-    let violation = entry
-        .runtime
-        .lock()
-        .as_ref()
-        .and_then(|rt| rt.agent.protocol_violation());
-    let mut info = entry.info.lock();
-    if info.guest_protocol_violation.is_none() {
-        info.guest_protocol_violation = violation;
-    }
-    info.clone()
 }
 
 /// Paused sandboxes from their records; the directories of sandboxes that were running

@@ -10,13 +10,13 @@ use super::sandbox::{Call, Op, RuntimeHandle, SandboxEntry, SandboxInfo, Sandbox
 use super::settings::SandboxSettings;
 use super::snapshots::{SnapshotRecord, Snapshots};
 use super::start::{self, Launcher, StartKind, StartRequest, Started};
-use super::supervisor::{self, PauseOutcome, RunDir};
+use super::supervisor::{self, PauseOutcome, RunDir, Watch};
 use super::{ColdStart, Connected, OrchError};
 use crate::hooks::StopReason;
 use crate::image::ImageStore;
 use crate::vm::{self, CaptureRecord};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<(), OrchError> {
@@ -29,14 +29,35 @@ pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<
     )
 }
 
-/// What the supervisor calls when a registered sandbox's VM dies on its own.
-fn forget_on_exit(registry: &Arc<Registry>, id: &str) -> Box<dyn FnOnce() + Send> {
-    let (registry, id) = (Arc::downgrade(registry), id.to_string());
-    Box::new(move || {
-        if let Some(registry) = registry.upgrade() {
-            registry.forget_dead(&id);
+/// The watch of a registered sandbox's VM: a VM that died is forgotten (404 from then
+/// on), a guest that broke the agent protocol is marked (`guestProtocolViolation`).
+pub(crate) struct Registered {
+    registry: Weak<Registry>,
+    id: String,
+}
+
+impl Registered {
+    pub fn watch(registry: &Arc<Registry>, id: &str) -> Box<dyn Watch> {
+        Box::new(Registered {
+            registry: Arc::downgrade(registry),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Watch for Registered {
+    fn vm_exited(&self) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.forget_dead(&self.id);
         }
-    })
+    }
+
+    fn guest_violated(&self, reason: &str) {
+        let Some(entry) = self.registry.upgrade().and_then(|r| r.entry(&self.id).ok()) else {
+            return;
+        };
+        entry.info.lock().guest_protocol_violation = Some(reason.to_string());
+    }
 }
 
 /// The fresh-boot steps shared by cold creates and template builds (custom-extension.md
@@ -96,7 +117,7 @@ pub(crate) fn create_cold(
             internet_access: settings.internet_access,
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
-            on_vm_exit: forget_on_exit(registry, &id),
+            watch: Registered::watch(registry, &id),
         },
     )?;
     let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
@@ -112,7 +133,7 @@ pub(crate) fn create_cold(
 
 /// Stores the record, then makes the sandbox visible. If the record cannot be written the
 /// new sandbox is torn down again: nothing un-recorded is ever visible.
-fn register_running(
+pub(crate) fn register_running(
     registry: &Registry,
     dir: &std::path::Path,
     info: SandboxInfo,
@@ -326,7 +347,7 @@ fn restore_paused(
             internet_access,
             params,
             failed_reason: StopReason::StartFailed,
-            on_vm_exit: forget_on_exit(registry, id),
+            watch: Registered::watch(registry, id),
         },
     );
     match started {
@@ -438,7 +459,7 @@ pub(crate) fn clone_from_capture(
             internet_access: settings.internet_access,
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
-            on_vm_exit: forget_on_exit(registry, &id),
+            watch: Registered::watch(registry, &id),
         },
     )?;
     let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);

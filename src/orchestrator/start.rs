@@ -20,7 +20,7 @@ use super::admission::Admission;
 use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
 use super::sides::{Extension, Machines, Network};
-use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner};
+use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
 use crate::hooks::{HookError, Instance, StartContext, StopReason};
@@ -98,8 +98,8 @@ pub(crate) struct StartRequest {
     pub params: Value,
     /// The stop reason owed to an instance whose start failed.
     pub failed_reason: StopReason,
-    /// Called on the supervisor thread if the VM later dies on its own.
-    pub on_vm_exit: Box<dyn FnOnce() + Send>,
+    /// Told on the supervisor thread what happens to the VM while it runs.
+    pub watch: Box<dyn Watch>,
 }
 
 /// A started VM: the channel to its supervisor, its agent, and its slot's facts.
@@ -139,7 +139,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
         internet_access,
         params,
         failed_reason,
-        on_vm_exit,
+        watch,
     } = req;
     let reservation = launcher
         .admission
@@ -195,7 +195,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                     },
                     resources,
                     reservation,
-                    on_vm_exit,
+                    watch,
                 },
             )?;
             let (instance, result) = launcher.hooks.start_resume(&context);
@@ -232,7 +232,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             launch,
             resources,
             reservation,
-            on_vm_exit,
+            watch,
         },
     )?;
     Ok(Started {

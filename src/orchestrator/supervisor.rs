@@ -114,9 +114,25 @@ pub(crate) struct StartPlan {
     pub resources: super::settings::Resources,
     /// The VM's memory and vCPUs, held by its supervisor thread for the VM's life.
     pub reservation: Reservation,
-    /// Called on the supervisor thread when the VM dies on its own (the sandbox is
-    /// forgotten).
-    pub on_vm_exit: Box<dyn FnOnce() + Send>,
+    /// Told what happens to the VM while it runs.
+    pub watch: Box<dyn Watch>,
+}
+
+/// What a supervisor reports about its running VM (for a registered sandbox: forget it,
+/// mark it).
+pub(crate) trait Watch: Send {
+    /// The VM died on its own; the supervisor tears down the rest.
+    fn vm_exited(&self);
+    /// The guest broke the agent protocol: its agent channel is closed.
+    fn guest_violated(&self, reason: &str);
+}
+
+/// The watch of a VM nobody else knows of (a template build's).
+pub(crate) struct Unwatched;
+
+impl Watch for Unwatched {
+    fn vm_exited(&self) {}
+    fn guest_violated(&self, _: &str) {}
 }
 
 /// The outcome of an in-place pause.
@@ -255,7 +271,9 @@ struct Runtime {
     run_dir: RunDir,
     /// Given back when the runtime ends, whatever ended the VM.
     _reservation: Reservation,
-    on_vm_exit: Box<dyn FnOnce() + Send>,
+    watch: Box<dyn Watch>,
+    /// The guest agent's client, watched for protocol violations.
+    agent: Option<Arc<AgentClient>>,
 }
 
 impl Runtime {
@@ -306,7 +324,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         launch,
         resources,
         reservation,
-        on_vm_exit,
+        watch,
     } = plan;
     let mut instance = instance;
     let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
@@ -416,7 +434,8 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         instance: Some(instance),
         run_dir,
         _reservation: reservation,
-        on_vm_exit,
+        watch,
+        agent: None,
     };
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let ready = runtime
@@ -431,7 +450,11 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             Ok(agent)
         });
     match ready {
-        Ok(agent) => Ok((runtime, Arc::new(agent))),
+        Ok(agent) => {
+            let agent = Arc::new(agent);
+            runtime.agent = Some(agent.clone());
+            Ok((runtime, agent))
+        }
         Err(e) => {
             let tail = runtime.vm.console_tail(20);
             let cause = match runtime.vm.exited() {
@@ -491,13 +514,13 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 }
             }
             Err(RecvTimeoutError::Timeout) => {
+                watch_agent(id, &mut runtime);
                 if let Some(status) = runtime.vm.exited() {
                     log::error!(
                         "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
                         runtime.vm.console_tail(20)
                     );
-                    let on_vm_exit = std::mem::replace(&mut runtime.on_vm_exit, Box::new(|| {}));
-                    on_vm_exit();
+                    runtime.watch.vm_exited();
                     runtime.run_dir.arm();
                     runtime.teardown(launcher, StopReason::Failure);
                     return;
@@ -510,6 +533,18 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
             }
         }
     }
+}
+
+/// Reports a guest that broke the agent protocol, once: a log line naming the sandbox and
+/// the violation, and the watch marks the sandbox. The VM runs on; its agent channel is
+/// closed, so commands and file transfers fail until the sandbox is deleted.
+fn watch_agent(id: &str, runtime: &mut Runtime) {
+    let Some(violation) = runtime.agent.as_ref().and_then(|a| a.protocol_violation()) else {
+        return;
+    };
+    runtime.agent = None;
+    log::error!("sandboxId={id} op=watch result=guest_protocol_violation reason=\"{violation}\"");
+    runtime.watch.guest_violated(&violation);
 }
 
 /// custom-extension.md §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
@@ -655,7 +690,7 @@ mod tests {
             },
             resources: crate::orchestrator::fakes::settings().resources,
             reservation: admission.reserve(128, 1).unwrap(),
-            on_vm_exit: Box::new(|| {}),
+            watch: Box::new(Unwatched),
         };
         let debts = RecordedDebts::default();
         let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));

@@ -10,7 +10,7 @@ use super::sandbox::{Op, SandboxInfo};
 use super::settings::{Resources, SandboxSettings};
 use super::snapshots::{SnapshotRecord, TemplateSource};
 use super::start::{StartKind, StartRequest};
-use super::supervisor::{PauseOutcome, RunDir};
+use super::supervisor::{PauseOutcome, RunDir, Unwatched};
 use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
 use crate::hooks::StopReason;
@@ -385,8 +385,8 @@ fn build(
             internet_access: settings.internet_access,
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::TemplateBuild,
-            // Never registered: nothing to forget.
-            on_vm_exit: Box::new(|| {}),
+            // Never registered: nothing to forget or mark.
+            watch: Box::new(Unwatched),
         },
     )?;
     let (ops, agent) = (&booted.runtime.ops, &booted.runtime.agent);

@@ -1,0 +1,403 @@
+//! The orchestrator's failure paths against fake host sides ([`super::fakes`]): every
+//! step of the start sequence failing leaves nothing held, and the failure-path bugs of
+//! issue 9 stay fixed. No root, QEMU or extension needed.
+
+use super::admission::{Admission, Limits};
+use super::expiry;
+use super::fakes::sides::{FakeHooks, FakeMachines, FakeNet, Script};
+use super::operations::{self, Registered};
+use super::registry::Registry;
+use super::sandbox::{SandboxEntry, SandboxInfo, SandboxState};
+use super::start::{self, Launcher, StartKind, StartRequest};
+use super::supervisor::{RunDir, ThreadSpawner};
+use super::{delete, shutdown_all, OrchError};
+use crate::hooks::StopReason;
+use crate::vm::Accel;
+use parking_lot::Mutex;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+const SLOTS: u32 = 8;
+
+/// A registry and a launcher over fake sides, in a private temp state dir.
+struct Rig {
+    state_dir: PathBuf,
+    registry: Arc<Registry>,
+    launcher: Arc<Launcher>,
+    net: Arc<FakeNet>,
+    hooks: Arc<FakeHooks>,
+    vms: Arc<FakeMachines>,
+    admission: Arc<Admission>,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        Rig::with(Limits {
+            memory_mb: 4096,
+            vcpus: 16,
+        })
+    }
+
+    fn with(limits: Limits) -> Rig {
+        Rig::build(limits, |_| {})
+    }
+
+    fn build(limits: Limits, adjust: impl FnOnce(&mut Launcher)) -> Rig {
+        let state_dir = std::env::temp_dir().join(format!("aenv-orch-{}", crate::util::new_id()));
+        let netns_dir = state_dir.join("netns");
+        std::fs::create_dir_all(&netns_dir).unwrap();
+        // The fake host makes no namespaces; the supervisor opens these files instead.
+        for n in 1..=SLOTS {
+            std::fs::write(netns_dir.join(format!("agentenv-ns-{n}")), b"").unwrap();
+        }
+        let mut config = crate::config::Config::from_sources(None, &[]).unwrap();
+        config.network.netns_dir = netns_dir;
+        config.network.max_slots = SLOTS;
+        config.network.pool_min = 0;
+        config.network.outbound = true;
+        config.vm.ready_timeout_secs = 5;
+        let net = FakeNet::new(&config.network);
+        let hooks = Arc::new(FakeHooks::default());
+        let vms = Arc::new(FakeMachines::default());
+        let admission = Admission::new(limits);
+        let mut launcher = Launcher::new(
+            &config,
+            net.clone(),
+            hooks.clone(),
+            vms.clone(),
+            admission.clone(),
+            Accel::Tcg { tsc_khz: 1_000_000 },
+        );
+        adjust(&mut launcher);
+        let registry = Arc::new(Registry::new(
+            state_dir.join("sandboxes"),
+            Default::default(),
+        ));
+        Rig {
+            state_dir,
+            registry,
+            launcher: Arc::new(launcher),
+            net,
+            hooks,
+            vms,
+            admission,
+        }
+    }
+
+    fn script(&self, script: Script) {
+        *self.vms.script.lock() = script;
+    }
+
+    /// A fresh start of sandbox `id` in a new run dir with its disk.
+    fn request(&self, id: &str, internet_access: bool) -> StartRequest {
+        let settings = super::fakes::settings();
+        let run_dir = RunDir::create(self.registry.dir(id)).unwrap();
+        std::fs::write(run_dir.path().join("disk.qcow2"), b"disk").unwrap();
+        StartRequest {
+            id: id.to_string(),
+            run_dir,
+            kind: StartKind::Fresh { memory_file: None },
+            resources: settings.resources,
+            internet_access,
+            params: settings.custom_extension_params,
+            failed_reason: StopReason::StartFailed,
+            watch: Registered::watch(&self.registry, id),
+        }
+    }
+
+    /// Starts and registers a running sandbox, as a create does.
+    fn running(&self, id: &str) -> Arc<SandboxEntry> {
+        let started = start::start(&self.launcher, self.request(id, true)).unwrap();
+        let info = SandboxInfo::new(
+            id.to_string(),
+            super::fakes::settings(),
+            started.host_ip,
+            started.netns_path,
+        );
+        operations::register_running(
+            &self.registry,
+            &self.registry.dir(id),
+            info,
+            started.runtime,
+        )
+        .unwrap();
+        self.registry.entry(id).unwrap()
+    }
+
+    /// Asserts that no reservation, slot, open instance or VM is left.
+    fn assert_nothing_held(&self) {
+        assert_eq!(self.admission.in_use(), (0, 0), "reservations given back");
+        assert_eq!(self.net.slots.stats().in_use, 0, "slots given back");
+        assert_eq!(
+            self.net.acquired.load(Ordering::SeqCst),
+            self.net.released.load(Ordering::SeqCst),
+            "every slot released, none only dropped"
+        );
+        assert_eq!(self.hooks.open_instances(), 0, "every instance stopped");
+        // A supervisor drops its VM as it ends, just after it answered.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.vms.alive.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(self.vms.alive.load(Ordering::SeqCst), 0, "no VM left");
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.net.slots.shutdown();
+        let _ = std::fs::remove_dir_all(&self.state_dir);
+    }
+}
+
+/// Waits (bounded) until `f` holds.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_start_that_admission_refuses_never_reaches_the_extension() {
+    let rig = Rig::with(Limits {
+        memory_mb: 64,
+        vcpus: 16,
+    });
+    let dir = rig.registry.dir("sb-1");
+    let e = start::start(&rig.launcher, rig.request("sb-1", true))
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, OrchError::TooMany(m) if m.contains("memory")),
+        "{e:?}"
+    );
+    assert!(rig.hooks.calls().is_empty(), "{:?}", rig.hooks.calls());
+    assert_eq!(rig.net.acquired.load(Ordering::SeqCst), 0, "no slot taken");
+    assert!(!dir.exists(), "the run dir is removed");
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn no_free_slot_gives_the_reservation_back() {
+    let rig = Rig::new();
+    rig.net.fail_acquire.store(true, Ordering::SeqCst);
+    let e = start::start(&rig.launcher, rig.request("sb-1", true))
+        .err()
+        .unwrap();
+    assert!(matches!(e, OrchError::Unavailable(_)), "{e:?}");
+    assert!(rig.hooks.calls().is_empty());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_slot_whose_outbound_rule_fails_is_released_before_any_hook() {
+    let rig = Rig::new();
+    *rig.net.host.fail_at.lock() = Some("load_slot_ruleset");
+    let e = start::start(&rig.launcher, rig.request("sb-1", false))
+        .err()
+        .unwrap();
+    assert!(matches!(e, OrchError::Internal(_)), "{e:?}");
+    assert!(rig.hooks.calls().is_empty());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_failed_start_hook_is_stopped_with_the_callers_reason_and_rolled_back() {
+    let rig = Rig::new();
+    rig.hooks.fail_start.store(true, Ordering::SeqCst);
+    let dir = rig.registry.dir("sb-1");
+    let mut req = rig.request("sb-1", true);
+    req.failed_reason = StopReason::TemplateBuild;
+    let e = start::start(&rig.launcher, req).err().unwrap();
+    assert!(matches!(e, OrchError::Upstream(_)), "{e:?}");
+    assert_eq!(
+        rig.hooks.calls(),
+        ["start-fresh sb-1", "stop sb-1 template-build"]
+    );
+    assert!(!dir.exists());
+    assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 0, "no VM started");
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_supervisor_thread_that_cannot_spawn_sends_the_stop_hook_and_releases_everything() {
+    let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));
+    let limits = Limits {
+        memory_mb: 4096,
+        vcpus: 16,
+    };
+    let rig = Rig::build(limits, |l| l.spawn = no_threads);
+    let dir = rig.registry.dir("sb-1");
+    let e = start::start(&rig.launcher, rig.request("sb-1", true))
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("cannot start supervisor thread"),
+        "{e}"
+    );
+    assert_eq!(
+        rig.hooks.calls(),
+        ["start-fresh sb-1", "stop sb-1 start-failed"]
+    );
+    assert!(!dir.exists());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_vm_that_cannot_start_is_rolled_back() {
+    let rig = Rig::new();
+    rig.script(Script {
+        fail_boot: true,
+        ..Script::default()
+    });
+    let e = start::start(&rig.launcher, rig.request("sb-1", true))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("does not boot"), "{e}");
+    assert_eq!(
+        rig.hooks.calls(),
+        ["start-fresh sb-1", "stop sb-1 start-failed"]
+    );
+    assert!(!rig.registry.dir("sb-1").exists());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_guest_whose_agent_never_answers_is_killed_and_rolled_back() {
+    let rig = Rig::new();
+    rig.script(Script {
+        silent_agent: true,
+        ..Script::default()
+    });
+    let e = start::start(&rig.launcher, rig.request("sb-1", true))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("did not become ready"), "{e}");
+    assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        rig.hooks.calls(),
+        ["start-fresh sb-1", "stop sb-1 start-failed"]
+    );
+    assert!(!rig.registry.dir("sb-1").exists());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_started_sandbox_gives_everything_back_on_delete() {
+    let rig = Rig::new();
+    rig.running("sb-1");
+    assert_eq!(rig.admission.in_use(), (128, 1));
+    assert_eq!(rig.net.slots.stats().in_use, 1);
+    delete(&rig.registry, "sb-1", StopReason::Delete).unwrap();
+    assert_eq!(rig.hooks.calls(), ["start-fresh sb-1", "stop sb-1 delete"]);
+    assert!(!rig.registry.dir("sb-1").exists());
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_pause_whose_commit_fails_keeps_the_capture_and_stays_resumable() {
+    let rig = Rig::new();
+    let entry = rig.running("sb-1");
+    let dir = rig.registry.dir("sb-1");
+    // The record cannot be replaced: its path is a directory.
+    std::fs::remove_file(dir.join("record.json")).unwrap();
+    std::fs::create_dir(dir.join("record.json")).unwrap();
+    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause).unwrap_err();
+    assert!(e.to_string().contains("could not be saved"), "{e}");
+    assert_eq!(entry.state(), SandboxState::Paused);
+    let capture = entry.paused.lock().clone().expect("the capture is kept");
+    assert!(
+        capture.state_file.is_file(),
+        "{}",
+        capture.state_file.display()
+    );
+    assert!(dir.join("disk.qcow2").is_file(), "the disk is kept");
+    assert_eq!(rig.hooks.calls(), ["start-fresh sb-1", "stop sb-1 pause"]);
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn shutdown_never_deletes_a_sandbox_whose_pause_failed() {
+    let rig = Rig::new();
+    rig.script(Script {
+        fail_pause: true,
+        ..Script::default()
+    });
+    let entry = rig.running("sb-1");
+    shutdown_all(&rig.registry, &rig.launcher);
+    assert!(rig.registry.entry("sb-1").is_ok(), "still registered");
+    assert_eq!(entry.state(), SandboxState::Running);
+    assert!(rig.registry.dir("sb-1").join("record.json").is_file());
+    assert!(rig.registry.dir("sb-1").join("disk.qcow2").is_file());
+    assert_eq!(
+        rig.hooks.calls(),
+        ["start-fresh sb-1"],
+        "no stop, no delete"
+    );
+    assert_eq!(rig.vms.pauses.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_pause_that_keeps_failing_is_retried_with_backoff_not_every_check() {
+    let rig = Rig::new();
+    rig.script(Script {
+        fail_pause: true,
+        ..Script::default()
+    });
+    let entry = rig.running("sb-1");
+    entry.info.lock().end_at = SystemTime::now();
+    let backoff = Arc::new(Mutex::new(expiry::Backoff::default()));
+    let t0 = SystemTime::now();
+    // One check a second for four seconds, as the expiry thread makes them.
+    for s in 0..4 {
+        for t in expiry::tick(&rig.registry, &backoff, t0 + Duration::from_secs(s)) {
+            t.join().unwrap();
+        }
+    }
+    assert_eq!(
+        rig.vms.pauses.load(Ordering::SeqCst),
+        1,
+        "one attempt, then backoff"
+    );
+    for t in expiry::tick(&rig.registry, &backoff, t0 + Duration::from_secs(7)) {
+        t.join().unwrap();
+    }
+    assert_eq!(
+        rig.vms.pauses.load(Ordering::SeqCst),
+        2,
+        "retried after the backoff"
+    );
+    assert_eq!(entry.state(), SandboxState::Running, "the VM ran on");
+}
+
+#[test]
+fn a_guest_that_breaks_the_agent_protocol_gets_its_sandbox_marked_and_others_run_on() {
+    let rig = Rig::new();
+    rig.script(Script {
+        hostile_agent: true,
+        ..Script::default()
+    });
+    let bad = rig.running("sb-bad");
+    rig.script(Script::default());
+    let good = rig.running("sb-good");
+    eventually("the sandbox is marked", || {
+        bad.info.lock().guest_protocol_violation.is_some()
+    });
+    let mark = bad.info.lock().guest_protocol_violation.clone().unwrap();
+    assert!(mark.contains("broke the agent protocol"), "{mark}");
+    // The sandbox itself stays (running, deletable); its agent channel is closed.
+    assert_eq!(bad.state(), SandboxState::Running);
+    let agent = bad.runtime.lock().as_ref().unwrap().agent.clone();
+    assert!(agent.ping(Duration::from_secs(1)).is_err());
+    // The other sandbox is untouched.
+    let other = good.runtime.lock().as_ref().unwrap().agent.clone();
+    other.ping(Duration::from_secs(5)).unwrap();
+    assert!(good.info.lock().guest_protocol_violation.is_none());
+    delete(&rig.registry, "sb-bad", StopReason::Delete).unwrap();
+    delete(&rig.registry, "sb-good", StopReason::Delete).unwrap();
+    rig.assert_nothing_held();
+}
