@@ -126,6 +126,19 @@ impl Rig {
         self.registry.entry(id).unwrap()
     }
 
+    /// Runs a start that must fail: afterwards the extension has seen exactly `hooks`,
+    /// the run dir is gone and nothing is held. Returns the error.
+    fn failed_start(&self, req: StartRequest, hooks: &[&str]) -> OrchError {
+        let dir = req.run_dir.path().to_path_buf();
+        let e = start::start(&self.launcher, req)
+            .err()
+            .expect("the start fails");
+        assert_eq!(self.hooks.calls(), hooks);
+        assert!(!dir.exists(), "the run dir is removed");
+        self.assert_nothing_held();
+        e
+    }
+
     /// Asserts that no reservation, slot, open instance or VM is left.
     fn assert_nothing_held(&self) {
         assert_eq!(self.admission.in_use(), (0, 0), "reservations given back");
@@ -161,66 +174,48 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// What the extension sees of a start that failed after its start hook.
+const STOPPED: [&str; 2] = ["start-fresh sb-1", "stop sb-1 start-failed"];
+
 #[test]
 fn a_start_that_admission_refuses_never_reaches_the_extension() {
     let rig = Rig::with(Limits {
         memory_mb: 64,
         vcpus: 16,
     });
-    let dir = rig.registry.dir("sb-1");
-    let e = start::start(&rig.launcher, rig.request("sb-1", true))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", true), &[]);
     assert!(
         matches!(&e, OrchError::TooMany(m) if m.contains("memory")),
         "{e:?}"
     );
-    assert!(rig.hooks.calls().is_empty(), "{:?}", rig.hooks.calls());
     assert_eq!(rig.net.acquired.load(Ordering::SeqCst), 0, "no slot taken");
-    assert!(!dir.exists(), "the run dir is removed");
-    rig.assert_nothing_held();
 }
 
 #[test]
 fn no_free_slot_gives_the_reservation_back() {
     let rig = Rig::new();
     rig.net.fail_acquire.store(true, Ordering::SeqCst);
-    let e = start::start(&rig.launcher, rig.request("sb-1", true))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", true), &[]);
     assert!(matches!(e, OrchError::Unavailable(_)), "{e:?}");
-    assert!(rig.hooks.calls().is_empty());
-    rig.assert_nothing_held();
 }
 
 #[test]
 fn a_slot_whose_outbound_rule_fails_is_released_before_any_hook() {
     let rig = Rig::new();
     *rig.net.host.fail_at.lock() = Some("load_slot_ruleset");
-    let e = start::start(&rig.launcher, rig.request("sb-1", false))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", false), &[]);
     assert!(matches!(e, OrchError::Internal(_)), "{e:?}");
-    assert!(rig.hooks.calls().is_empty());
-    rig.assert_nothing_held();
 }
 
 #[test]
 fn a_failed_start_hook_is_stopped_with_the_callers_reason_and_rolled_back() {
     let rig = Rig::new();
     rig.hooks.fail_start.store(true, Ordering::SeqCst);
-    let dir = rig.registry.dir("sb-1");
     let mut req = rig.request("sb-1", true);
     req.failed_reason = StopReason::TemplateBuild;
-    let e = start::start(&rig.launcher, req).err().unwrap();
+    let e = rig.failed_start(req, &["start-fresh sb-1", "stop sb-1 template-build"]);
     assert!(matches!(e, OrchError::Upstream(_)), "{e:?}");
-    assert_eq!(
-        rig.hooks.calls(),
-        ["start-fresh sb-1", "stop sb-1 template-build"]
-    );
-    assert!(!dir.exists());
     assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 0, "no VM started");
-    rig.assert_nothing_held();
 }
 
 #[test]
@@ -231,20 +226,11 @@ fn a_supervisor_thread_that_cannot_spawn_sends_the_stop_hook_and_releases_everyt
         vcpus: 16,
     };
     let rig = Rig::build(limits, |l| l.spawn = no_threads);
-    let dir = rig.registry.dir("sb-1");
-    let e = start::start(&rig.launcher, rig.request("sb-1", true))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", true), &STOPPED);
     assert!(
         e.to_string().contains("cannot start supervisor thread"),
         "{e}"
     );
-    assert_eq!(
-        rig.hooks.calls(),
-        ["start-fresh sb-1", "stop sb-1 start-failed"]
-    );
-    assert!(!dir.exists());
-    rig.assert_nothing_held();
 }
 
 #[test]
@@ -254,16 +240,8 @@ fn a_vm_that_cannot_start_is_rolled_back() {
         fail_boot: true,
         ..Script::default()
     });
-    let e = start::start(&rig.launcher, rig.request("sb-1", true))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", true), &STOPPED);
     assert!(e.to_string().contains("does not boot"), "{e}");
-    assert_eq!(
-        rig.hooks.calls(),
-        ["start-fresh sb-1", "stop sb-1 start-failed"]
-    );
-    assert!(!rig.registry.dir("sb-1").exists());
-    rig.assert_nothing_held();
 }
 
 #[test]
@@ -273,17 +251,9 @@ fn a_guest_whose_agent_never_answers_is_killed_and_rolled_back() {
         silent_agent: true,
         ..Script::default()
     });
-    let e = start::start(&rig.launcher, rig.request("sb-1", true))
-        .err()
-        .unwrap();
+    let e = rig.failed_start(rig.request("sb-1", true), &STOPPED);
     assert!(e.to_string().contains("did not become ready"), "{e}");
     assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 1);
-    assert_eq!(
-        rig.hooks.calls(),
-        ["start-fresh sb-1", "stop sb-1 start-failed"]
-    );
-    assert!(!rig.registry.dir("sb-1").exists());
-    rig.assert_nothing_held();
 }
 
 #[test]
