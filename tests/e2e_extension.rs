@@ -112,6 +112,27 @@ fn refused_extension_fails_create_and_leaves_nothing() {
     server.stop();
 }
 
+/// A start that admission refuses (`[admission] max_memory_mb`) answers 429 before the
+/// extension hears of it: no start-fresh, so no stop either, and nothing is left.
+#[test]
+fn a_start_admission_refuses_never_reaches_the_extension() {
+    let _serial = serial();
+    let ext = Extension::start();
+    let mut config = extension_toml(&ext.url(), 5000, None);
+    config.push_str("[admission]\nmax_memory_mb = 200\n");
+    let mut server = Server::start(&config);
+    let (code, v) = server.call(
+        "POST",
+        "/sandboxes-cold",
+        Some(json!({"image": base_image(), "memoryMB": 256, "customExtensionParams": {"a": 1}})),
+    );
+    assert_eq!(code, 429, "{v}");
+    assert!(message(&v).contains("memory"), "{v}");
+    assert!(ext.requests().is_empty(), "{:?}", ext.requests());
+    assert_nothing_left(&server);
+    server.stop();
+}
+
 /// `key=value` from a log line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
     let start = line
