@@ -256,6 +256,57 @@ fn a_guest_whose_agent_never_answers_is_killed_and_rolled_back() {
     assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 1);
 }
 
+/// A restore (resume, clone, fork child) of sandbox `id`: the VM is prepared while
+/// start-resume runs.
+fn restore_request(rig: &Rig, id: &str) -> StartRequest {
+    let mut req = rig.request(id, true);
+    req.kind = StartKind::Restore {
+        record: Box::new(super::fakes::capture()),
+        disk: req.run_dir.path().join("disk.qcow2"),
+    };
+    req
+}
+
+#[test]
+fn a_failed_start_resume_kills_the_prepared_vm_and_rolls_back() {
+    let rig = Rig::new();
+    rig.hooks.fail_start.store(true, Ordering::SeqCst);
+    let e = rig.failed_start(
+        restore_request(&rig, "sb-1"),
+        &["start-resume sb-1", "stop sb-1 start-failed"],
+    );
+    assert!(matches!(e, OrchError::Upstream(_)), "{e:?}");
+    assert_eq!(
+        rig.vms.boots.load(Ordering::SeqCst),
+        1,
+        "prepared meanwhile"
+    );
+}
+
+#[test]
+fn a_restore_whose_vm_cannot_start_still_stops_its_instance() {
+    let rig = Rig::new();
+    rig.script(Script {
+        fail_boot: true,
+        ..Script::default()
+    });
+    let e = rig.failed_start(
+        restore_request(&rig, "sb-1"),
+        &["start-resume sb-1", "stop sb-1 start-failed"],
+    );
+    assert!(e.to_string().contains("does not boot"), "{e}");
+}
+
+#[test]
+fn a_restored_sandbox_runs_and_is_deleted_cleanly() {
+    let rig = Rig::new();
+    let started = start::start(&rig.launcher, restore_request(&rig, "sb-1")).unwrap();
+    started.runtime.agent.ping(Duration::from_secs(5)).unwrap();
+    started.runtime.delete(StopReason::Delete);
+    assert_eq!(rig.hooks.calls(), ["start-resume sb-1", "stop sb-1 delete"]);
+    rig.assert_nothing_held();
+}
+
 #[test]
 fn a_started_sandbox_gives_everything_back_on_delete() {
     let rig = Rig::new();
