@@ -142,6 +142,22 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     ]);
     assert!(size.starts_with("200000"), "{size}");
     std::fs::remove_dir_all(&dir).unwrap();
+    // `-` is stdin / stdout.
+    let mut up = cli
+        .command(&["sandbox", "cp", "-", &format!("{id}:/tmp/piped")])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    up.stdin
+        .take()
+        .unwrap()
+        .write_all(b"through a pipe\n")
+        .unwrap();
+    assert!(up.wait().unwrap().success());
+    assert_eq!(
+        cli.ok(&["sandbox", "cp", &format!("{id}:/tmp/piped"), "-"]),
+        "through a pipe\n"
+    );
 
     // logs: the guest console (the agent's boot lines, and what the guest writes to it).
     cli.ok(&[
@@ -185,6 +201,19 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 5);
     cli.ok(&["sandbox", "resume", &id, "--timeout", "600"]);
     assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "running");
+    // resume of a running sandbox only extends its time to live.
+    let before = cli.json(&["sandbox", "info", &id])["endAt"].clone();
+    assert_eq!(
+        cli.ok(&["sandbox", "resume", &id, "--timeout", "900"])
+            .trim(),
+        id
+    );
+    let after = cli.json(&["sandbox", "info", &id]);
+    assert_eq!(after["state"], "running");
+    assert!(
+        after["endAt"].as_str() > before.as_str(),
+        "{before} -> {after}"
+    );
     let child = cli
         .ok(&["sandbox", "create", "--template", "cli-snap"])
         .trim()
@@ -251,6 +280,28 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     // Builds that fail (no such tag; no VM boots): --json prints the final template and
     // the exit code is 8; on a terminal the bar ends on the failed phase.
     let missing = format!("{}/cli:missing", registry.addr);
+    // --no-wait: the id at once; the build goes on (and fails) in the background.
+    let queued = cli
+        .ok(&[
+            "template",
+            "build",
+            "cli-later",
+            "--image",
+            &missing,
+            "--no-wait",
+        ])
+        .trim()
+        .to_string();
+    assert!(
+        common::wait_until(std::time::Duration::from_secs(30), || {
+            cli.json(&["template", "ls"])
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["templateID"] == queued.as_str() && t["buildStatus"] == "error")
+        }),
+        "the --no-wait build {queued} did not end"
+    );
     let out = cli.run(&[
         "--json", "template", "build", "cli-bad", "--image", &missing,
     ]);
@@ -308,7 +359,14 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     cli.ok(&["sandbox", "rm", &id, &child, &from_tpl]);
     assert_eq!(cli.json(&["sandbox", "ls"]), Value::Array(vec![]));
     cli.ok(&["snapshot", "rm", "cli-snap"]);
-    cli.ok(&["template", "rm", "cli-tpl", "cli-bad", "cli-bad-tty"]);
+    cli.ok(&[
+        "template",
+        "rm",
+        "cli-tpl",
+        "cli-bad",
+        "cli-bad-tty",
+        "cli-later",
+    ]);
     assert_eq!(cli.json(&["template", "ls"]), Value::Array(vec![]));
     assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
 }
