@@ -12,23 +12,6 @@ use std::time::Duration;
 /// Where scripts/setup.sh installs the SDKs.
 const TOOLS: &str = "/opt/agentenv-tests";
 
-/// Builds template `name` from the built-in base image and waits until it is ready.
-fn build_template(s: &Server, name: &str) {
-    let (code, t) = s.call(
-        "POST",
-        "/templates",
-        Some(
-            json!({"name": name, "image": base_image(), "memoryMB": 256, "cpuCount": 1,
-                    "diskSizeMB": 1024, "envVars": {"FROM_TEMPLATE": "yes"}}),
-        ),
-    );
-    assert_eq!(code, 202, "{t}");
-    let ready = wait_until(Duration::from_secs(180), || {
-        s.call("GET", &format!("/templates/{name}"), None).1["buildStatus"] == "ready"
-    });
-    assert!(ready, "template {name} not ready:\n{}", s.log());
-}
-
 /// A request to a sandbox's envd through the API port, with the given extra headers.
 fn envd(s: &Server, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     let mut req =

@@ -377,3 +377,20 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// Builds template `name` from the built-in base image and waits until it is ready.
+pub fn build_template(s: &Server, name: &str) {
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            serde_json::json!({"name": name, "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+                    "diskSizeMB": 1024, "envVars": {"FROM_TEMPLATE": "yes"}}),
+        ),
+    );
+    assert_eq!(code, 202, "{t}");
+    let ready = wait_until(Duration::from_secs(180), || {
+        s.call("GET", &format!("/templates/{name}"), None).1["buildStatus"] == "ready"
+    });
+    assert!(ready, "template {name} not ready:\n{}", s.log());
+}
