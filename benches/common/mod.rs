@@ -216,6 +216,11 @@ impl BenchServer {
         server
     }
 
+    /// `http://127.0.0.1:<port>`.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// The last lines of the server's log, for a panic message.
     pub fn failure(&self, what: &str) -> String {
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
