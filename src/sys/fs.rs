@@ -112,3 +112,49 @@ pub fn set_umask(mask: u32) -> u32 {
     // SAFETY: umask only swaps an integer in the process's fs state; it cannot fail.
     unsafe { libc::umask(mask as libc::mode_t) as u32 }
 }
+
+/// Writes all of `data` to the unix stream `socket`, with `fd` attached (`SCM_RIGHTS`) to
+/// the first byte: how a QMP `add-fd`/`getfd` command receives its descriptor.
+pub fn send_with_fd(
+    socket: &std::os::unix::net::UnixStream,
+    data: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> SysResult<()> {
+    use std::io::Write;
+    let raw = fd.as_raw_fd();
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    // u64 elements keep the control buffer aligned for `cmsghdr`.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths); fields set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at a control buffer of CMSG_SPACE(sizeof(int)) bytes, so the
+    // first header and its int-sized payload lie inside it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), raw);
+    }
+    // SAFETY: `msg` and the buffers it points to are valid for the call; `socket` is open.
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if sent < 0 {
+        return Err(SysError::last("sendmsg(SCM_RIGHTS)"));
+    }
+    let rest = &data[sent as usize..];
+    if !rest.is_empty() {
+        (&*socket)
+            .write_all(rest)
+            .map_err(|e| SysError::from_io("write to unix socket", e))?;
+    }
+    Ok(())
+}

@@ -9,6 +9,7 @@ use std::io;
 pub mod files;
 pub mod fs;
 pub mod guest;
+pub mod jail;
 pub mod netlink;
 pub mod netns;
 pub mod process;

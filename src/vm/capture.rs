@@ -34,8 +34,6 @@ pub const STATE_FILE: &str = "state.bin";
 const PARTIAL_SUFFIX: &str = ".partial";
 /// Current [`CaptureRecord::format`].
 pub const CAPTURE_FORMAT: u32 = 1;
-/// The QEMU block device id of the root disk (`-drive id=root`).
-const ROOT_DRIVE: &str = "root";
 /// Migration bandwidth cap during a capture: effectively none (QEMU's default is
 /// 128 MiB/s, several times slower than writing the file).
 const CAPTURE_BANDWIDTH: u64 = 64 << 30;
@@ -374,8 +372,7 @@ impl Vm {
         stats.stop_ms = ms(t.elapsed());
         if let Some(next) = next_top {
             let t = Instant::now();
-            self.qmp().blockdev_snapshot_existing(ROOT_DRIVE, next)?;
-            self.facts.disk = next.to_path_buf();
+            self.switch_disk(next)?;
             stats.disk_switch_ms = ms(t.elapsed());
         }
         let t = Instant::now();
@@ -511,9 +508,13 @@ impl Vm {
         if chain.layers.len() <= 1 {
             return Ok(());
         }
-        let mut args = serde_json::json!({ "job-id": "flatten", "device": ROOT_DRIVE });
-        if let Some(base) = &chain.base {
-            args["base"] = base.to_string_lossy().into_owned().into();
+        let mut args = serde_json::json!({ "job-id": "flatten", "device": self.disk_node() });
+        if chain.base.is_some() {
+            // QEMU knows the base only as a descriptor: the top keeps the bottom layer's
+            // backing name, not "/dev/fdset/N".
+            let bottom = disk::read_qcow2_header(&chain.layers[0])?;
+            args["base-node"] = super::qemu::BASE_NODE.into();
+            args["backing-file"] = bottom.and_then(|h| h.backing).unwrap_or_default().into();
         }
         self.qmp().execute("block-stream", Some(args))?;
         let started = Instant::now();

@@ -188,6 +188,44 @@ pub fn disk_chain(top: &Path) -> Result<DiskChain, VmError> {
     })
 }
 
+/// A disk chain opened by the server for a QEMU that may not open its files by path:
+/// QEMU gets the descriptors (see [`super::qemu`]) and never follows a backing name.
+#[derive(Debug)]
+pub(crate) struct OpenChain {
+    /// The raw base image, read-only.
+    pub base: Option<File>,
+    /// The qcow2 layers, bottom first: read-only, except the top (last), read-write.
+    pub layers: Vec<File>,
+    /// A second, read-only descriptor of the top: QEMU reopens a layer read-only once a
+    /// snapshot puts a new layer above it.
+    pub top_read_only: File,
+}
+
+/// Opens every file of the chain under `top` (see [`disk_chain`]).
+pub(crate) fn open_chain(top: &Path) -> Result<OpenChain, VmError> {
+    let chain = disk_chain(top)?;
+    let open = |path: &Path, write: bool| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(write)
+            .open(path)
+            .map_err(|e| VmError::io(format!("cannot open disk image {}", path.display()), e))
+    };
+    let base = chain.base.as_deref().map(|b| open(b, false)).transpose()?;
+    let last = chain.layers.len() - 1;
+    let layers = chain
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, layer)| open(layer, i == last))
+        .collect::<Result<Vec<File>, VmError>>()?;
+    Ok(OpenChain {
+        base,
+        layers,
+        top_read_only: open(top, false)?,
+    })
+}
+
 /// Runs qemu-img with `args`.
 fn qemu_img(args: &[&std::ffi::OsStr]) -> Result<(), VmError> {
     let output = Command::new("qemu-img")

@@ -8,19 +8,37 @@
 //! A VM's files live in its run dir under the state dir, except its unix sockets: those
 //! go to a short private dir under [`SOCKET_ROOT`], so that no state dir is too long for
 //! `sun_path` (107 bytes).
+//!
+//! # Confinement
+//!
+//! QEMU runs as the unprivileged account [`VM_USER`] (no supplementary groups, no
+//! capabilities, `PR_SET_NO_NEW_PRIVS`), with an empty environment, in a mount namespace
+//! of its own whose root holds only `/usr` (binary, libraries, firmware), the guest kernel
+//! and initramfs, a few device nodes and, for a VM with file-backed RAM, that one file
+//! (see [`crate::sys::jail`]). The state dir is not in it. Everything else reaches QEMU as
+//! a descriptor the server opened: the serial console pipe, the QMP and agent sockets
+//! (bound by the server, passed listening), the tap, every file of the disk chain (each
+//! layer an explicit `-blockdev` node over `/dev/fdset/N`, so QEMU never opens a backing
+//! file by name), state files to restore from and to save to (QMP `add-fd`), and new disk
+//! layers (QMP `add-fd` + `blockdev-add`).
 
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use serde_json::{json, Value};
+
 use super::accel::Accel;
 use super::console::tail_lines;
+use super::disk::{self, OpenChain};
 use super::qmp::{self, Qmp};
 use super::VmError;
-use crate::sys::process::{configure_child, kill_and_reap};
+use crate::sys::jail::{Access, Credentials, Jail};
+use crate::sys::process::{configure_child, kill_and_reap, ChildSetup};
 
 /// The guest NIC's MAC address (every guest has the same one: each lives in its own netns).
 pub const GUEST_MAC: &str = "06:00:a9:fe:00:15";
@@ -40,8 +58,19 @@ const MAX_SOCKET_PATH: usize = 107;
 pub const SOCKET_ROOT: &str = "/run/agentenv/s";
 /// The fd QEMU inherits for its serial console: a pipe into [`super::console`]'s writer.
 const CONSOLE_FD: i32 = 3;
-/// How long QEMU may take to open its QMP socket.
+/// How long QEMU may take to greet on its QMP socket.
 const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The unprivileged account every QEMU runs as (created by scripts/setup.sh).
+pub const VM_USER: &str = "agentenv-vm";
+/// Host paths bound read-only into every QEMU's mount namespace when present: the binary,
+/// its libraries and firmware (links such as `/lib -> usr/lib` are recreated as links).
+const JAIL_SYSTEM_PATHS: &[&str] = &["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache"];
+/// Device nodes QEMU may open.
+const JAIL_DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"];
+/// The root disk's top node name prefix: nodes are `layer0`, `layer1`, ... in the order
+/// they were added; the raw base image is [`BASE_NODE`].
+const LAYER_NODE_PREFIX: &str = "layer";
+pub(crate) const BASE_NODE: &str = "base";
 
 /// Everything needed to start one guest.
 #[derive(Debug)]
@@ -248,10 +277,75 @@ pub struct MemoryFile {
     pub shared: bool,
 }
 
+/// One node of the root disk's block graph.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DiskNode {
+    name: String,
+    /// Descriptor numbers in QEMU; the first one also names the fd set.
+    fds: Vec<RawFd>,
+    qcow2: bool,
+    writable: bool,
+    /// The node under this one (its backing image), if any.
+    backing: Option<String>,
+}
+
+/// A qcow2 node over the file behind fd set `fdset`, as `-blockdev` / `blockdev-add` JSON.
+/// `backing`: the node under it, `Value::Null` for "none, and do not open the backing
+/// file the image names", or absent (an image without a backing file).
+fn qcow2_node(name: &str, fdset: u64, writable: bool, backing: Option<Value>) -> Value {
+    let mut file = json!({
+        "driver": "file",
+        "filename": format!("/dev/fdset/{fdset}"),
+        "read-only": !writable,
+    });
+    let mut node = json!({ "driver": "qcow2", "node-name": name, "read-only": !writable });
+    if writable {
+        file["discard"] = "unmap".into();
+        node["discard"] = "unmap".into();
+    }
+    node["file"] = file;
+    if let Some(backing) = backing {
+        node["backing"] = backing;
+    }
+    node
+}
+
+impl DiskNode {
+    fn blockdev(&self) -> Value {
+        let fdset = self.fds[0] as u64;
+        if !self.qcow2 {
+            return json!({
+                "driver": "file",
+                "node-name": self.name,
+                "filename": format!("/dev/fdset/{fdset}"),
+                "read-only": true,
+            });
+        }
+        qcow2_node(
+            &self.name,
+            fdset,
+            self.writable,
+            self.backing.clone().map(Value::String),
+        )
+    }
+}
+
+/// The descriptors a QEMU process inherits, by the numbers its command line uses.
+#[derive(Debug, Clone, Default)]
+struct Inherited {
+    qmp: RawFd,
+    agent: RawFd,
+    tap: Option<RawFd>,
+    /// The root disk's nodes, bottom first; the last is the one the guest's device uses.
+    disk: Vec<DiskNode>,
+    /// The state file of an `-incoming` restore.
+    incoming: Option<RawFd>,
+}
+
 /// The full QEMU argv (without the binary).
 fn build_argv(
     spec: &VmSpec,
-    paths: &RunPaths,
+    fds: &Inherited,
     launch: &Launch<'_>,
 ) -> Result<Vec<OsString>, VmError> {
     if spec.cpu_count == 0 || spec.memory_mb == 0 {
@@ -291,11 +385,17 @@ fn build_argv(
     });
     argv.push("-object".into());
     argv.push(match launch.memory {
+        // A private mapping opens the file read-only (`readonly=on,rom=off`): clones
+        // never write a template's RAM file, and may not.
         Some(memory) => format!(
-            "memory-backend-file,id=ram,size={}M,mem-path={},share={}",
+            "memory-backend-file,id=ram,size={}M,mem-path={},{}",
             spec.memory_mb,
             opt_path(&memory.path)?,
-            if memory.shared { "on" } else { "off" }
+            if memory.shared {
+                "share=on"
+            } else {
+                "share=off,readonly=on,rom=off"
+            }
         )
         .into(),
         None => format!("memory-backend-ram,id=ram,size={}M", spec.memory_mb).into(),
@@ -310,58 +410,60 @@ fn build_argv(
         "-serial",
         "chardev:console",
     ]);
-    let disk = opt_path(&spec.disk)?;
-    push(&[
-        "-drive",
-        &format!("id=root,file={disk},format=qcow2,if=none,discard=unmap"),
-        "-device",
-        "virtio-blk-device,drive=root",
-    ]);
+    let top = fds
+        .disk
+        .last()
+        .ok_or_else(|| VmError::InvalidSpec("the root disk has no layers".into()))?;
+    for node in &fds.disk {
+        for fd in &node.fds {
+            push(&[
+                "-add-fd",
+                &format!("fd={fd},set={},opaque={}", node.fds[0], node.name),
+            ]);
+        }
+        push(&["-blockdev", &node.blockdev().to_string()]);
+    }
+    push(&["-device", &format!("virtio-blk-device,drive={}", top.name)]);
     if let Some(tap) = &spec.tap {
         if tap.is_empty() || tap.contains(',') || tap.len() > 15 {
             return Err(VmError::InvalidSpec(format!("bad tap device name {tap:?}")));
         }
+        let fd = fds
+            .tap
+            .ok_or_else(|| VmError::InvalidSpec(format!("tap {tap} was not opened")))?;
         push(&[
             "-netdev",
-            &format!("tap,id=net0,ifname={tap},script=no,downscript=no"),
+            &format!("tap,id=net0,fd={fd}"),
             "-device",
             &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
         ]);
     }
-    let agent = opt_path(&paths.agent_socket)?;
     push(&[
         "-chardev",
-        &format!("socket,id=agent,path={agent},server=on,wait=off"),
+        &format!("socket,id=agent,fd={},server=on,wait=off", fds.agent),
         "-device",
         "virtio-serial-device",
         "-device",
         &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
     ]);
-    let qmp = opt_path(&paths.qmp_socket)?;
     push(&[
         "-chardev",
-        &format!("socket,id=qmp,path={qmp},server=on,wait=off"),
+        &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
         "-mon",
         "chardev=qmp,mode=control",
     ]);
     match launch.incoming {
         Incoming::None => {}
-        Incoming::File(state) => {
-            push(&["-incoming", &format!("file:{}", state_uri_path(state)?)]);
+        Incoming::File(_) => {
+            let fd = fds
+                .incoming
+                .ok_or_else(|| VmError::InvalidSpec("the state file was not opened".into()))?;
+            push(&["-add-fd", &format!("fd={fd},set={fd},opaque=incoming")]);
+            push(&["-incoming", &format!("file:/dev/fdset/{fd}")]);
         }
         Incoming::Defer => push(&["-incoming", "defer"]),
     }
     Ok(argv)
-}
-
-/// A state file path as it goes into a `file:` migration URI: UTF-8, no commas.
-pub(crate) fn state_uri_path(state: &Path) -> Result<&str, VmError> {
-    state.to_str().filter(|s| !s.contains(',')).ok_or_else(|| {
-        VmError::InvalidSpec(format!(
-            "state file path {} must be UTF-8 without commas",
-            state.display()
-        ))
-    })
 }
 
 /// Finds `binary` as `execvp` would: as given when it holds a `/`, else in PATH.
@@ -369,6 +471,137 @@ fn resolve_binary(binary: &Path) -> Result<PathBuf, VmError> {
     crate::util::find_in_path(binary).ok_or_else(|| VmError::BinaryNotFound {
         binary: binary.to_path_buf(),
     })
+}
+
+/// Descriptors the server hands a QEMU process, numbered from 4 up (3 is the console).
+struct PassedFds {
+    fds: Vec<(OwnedFd, RawFd)>,
+}
+
+impl PassedFds {
+    fn new() -> PassedFds {
+        PassedFds { fds: Vec::new() }
+    }
+
+    /// Hands over `fd`; returns its number in QEMU.
+    fn pass(&mut self, fd: impl Into<OwnedFd>) -> RawFd {
+        let number = CONSOLE_FD + 1 + self.fds.len() as RawFd;
+        self.fds.push((fd.into(), number));
+        number
+    }
+
+    fn numbers(&self) -> Vec<(RawFd, RawFd)> {
+        self.fds.iter().map(|(f, n)| (f.as_raw_fd(), *n)).collect()
+    }
+}
+
+/// The root disk's block graph over the descriptors of `chain`, bottom first; and how
+/// many layer nodes that made.
+fn pass_disk(chain: OpenChain, passed: &mut PassedFds) -> (Vec<DiskNode>, usize) {
+    let mut nodes = Vec::with_capacity(chain.layers.len() + 1);
+    if let Some(base) = chain.base {
+        nodes.push(DiskNode {
+            name: BASE_NODE.into(),
+            fds: vec![passed.pass(base)],
+            qcow2: false,
+            writable: false,
+            backing: None,
+        });
+    }
+    let count = chain.layers.len();
+    let mut top_read_only = Some(chain.top_read_only);
+    for (i, layer) in chain.layers.into_iter().enumerate() {
+        let mut fds = vec![passed.pass(layer)];
+        let top = i + 1 == count;
+        if top {
+            fds.extend(top_read_only.take().map(|f| passed.pass(f)));
+        }
+        let backing = nodes.last().map(|n: &DiskNode| n.name.clone());
+        nodes.push(DiskNode {
+            name: format!("{LAYER_NODE_PREFIX}{i}"),
+            fds,
+            qcow2: true,
+            writable: top,
+            backing,
+        });
+    }
+    (nodes, count)
+}
+
+/// Makes the RAM file `memory` usable by QEMU as [`VM_USER`] and returns its real path:
+/// owned by root, group [`VM_USER`]'s, 0660 while a VM maps it shared (created and sized
+/// here for a template build), 0640 to be mapped privately (clones read it only). Only
+/// QEMUs whose mount namespace holds the file can reach it.
+fn prepare_memory_file(
+    memory: &MemoryFile,
+    memory_mb: u32,
+    credentials: &Credentials,
+) -> Result<PathBuf, VmError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let path = &memory.path;
+    let io = |e| VmError::io(format!("cannot prepare RAM file {}", path.display()), e);
+    let file = if memory.shared {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o660)
+            .open(path)
+            .map_err(io)?;
+        let size = u64::from(memory_mb) << 20;
+        if file.metadata().map_err(io)?.len() < size {
+            file.set_len(size).map_err(io)?;
+        }
+        file
+    } else {
+        File::open(path).map_err(io)?
+    };
+    std::os::unix::fs::fchown(&file, None, Some(credentials.gid)).map_err(io)?;
+    let mode = if memory.shared { 0o660 } else { 0o640 };
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+        .map_err(io)?;
+    std::fs::canonicalize(path).map_err(io)
+}
+
+/// QEMU's mount namespace (see the module docs), rooted on `root` (the VM's socket dir:
+/// the host keeps its sockets, QEMU sees an empty tmpfs there).
+fn plan_jail(
+    root: &Path,
+    binary: &Path,
+    spec: &VmSpec,
+    memory: Option<&MemoryFile>,
+) -> Result<Jail, VmError> {
+    let err = |e: crate::sys::SysError| VmError::io("cannot plan QEMU's mount namespace", e.source);
+    let mut jail = Jail::new(root).map_err(err)?;
+    for path in JAIL_SYSTEM_PATHS {
+        jail.bind_if_present(Path::new(path), Access::ReadOnly)
+            .map_err(err)?;
+    }
+    let binary = std::fs::canonicalize(binary)
+        .map_err(|e| VmError::io(format!("cannot resolve {}", binary.display()), e))?;
+    if !binary.starts_with("/usr") {
+        jail.bind(&binary, Access::ReadOnly).map_err(err)?;
+    }
+    for path in JAIL_DEVICES {
+        jail.bind_if_present(Path::new(path), Access::Device)
+            .map_err(err)?;
+    }
+    if spec.accel == Accel::Kvm {
+        jail.bind(Path::new("/dev/kvm"), Access::Device)
+            .map_err(err)?;
+    }
+    jail.bind(&spec.kernel, Access::ReadOnly).map_err(err)?;
+    jail.bind(&spec.initramfs, Access::ReadOnly).map_err(err)?;
+    if let Some(memory) = memory {
+        let access = if memory.shared {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        };
+        jail.bind(&memory.path, access).map_err(err)?;
+    }
+    Ok(jail)
 }
 
 /// Kills and reaps a child unless disarmed: an early `?` in [`Vm::start`] never leaves a
@@ -396,6 +629,10 @@ pub(crate) struct VmFacts {
     pub memory_mb: u32,
     /// The disk QEMU writes to now (the top of its qcow2 chain); a disk freeze moves it.
     pub disk: PathBuf,
+    /// Its block node name in QEMU.
+    pub disk_node: String,
+    /// How many layer nodes were added so far (names the next one).
+    pub disk_nodes_added: usize,
     pub tap: Option<String>,
     pub memory: Option<MemoryFile>,
 }
@@ -460,7 +697,7 @@ impl Vm {
         )
     }
 
-    pub(crate) fn start(spec: VmSpec, launch: Launch<'_>) -> Result<Vm, VmError> {
+    pub(crate) fn start(mut spec: VmSpec, launch: Launch<'_>) -> Result<Vm, VmError> {
         let binary = resolve_binary(&spec.qemu_binary)?;
         for (what, path) in [
             ("guest kernel", &spec.kernel),
@@ -480,6 +717,15 @@ impl Vm {
                 e,
             )
         })?;
+        let mut credentials = Credentials::lookup(VM_USER)
+            .map_err(|e| VmError::io(format!("cannot run QEMU as {VM_USER}"), e.source))?;
+        if spec.accel == Accel::Kvm {
+            // /dev/kvm's group (usually "kvm") is the one supplementary group QEMU keeps.
+            use std::os::unix::fs::MetadataExt;
+            let kvm = std::fs::metadata("/dev/kvm")
+                .map_err(|e| VmError::io("cannot stat /dev/kvm", e))?;
+            credentials.extra_group = Some(kvm.gid());
+        }
         let sockets = SocketDir::create()?;
         let paths = RunPaths::new(&spec.run_dir, &sockets.path);
         for socket in [&paths.qmp_socket, &paths.agent_socket] {
@@ -494,11 +740,54 @@ impl Vm {
             Some(c) => c.to_owned(),
             None => kernel_cmdline(spec.accel, &spec.kernel_args)?,
         };
+        // QEMU finds these by path inside its mount namespace, where they are bound at
+        // their real (absolute, symlink-free) paths.
+        let real = |path: &Path| {
+            std::fs::canonicalize(path)
+                .map_err(|e| VmError::io(format!("cannot resolve {}", path.display()), e))
+        };
+        let memory = match launch.memory {
+            Some(m) => Some(MemoryFile {
+                path: prepare_memory_file(m, spec.memory_mb, &credentials)?,
+                shared: m.shared,
+            }),
+            None => None,
+        };
+        let (kernel, initramfs) = (spec.kernel.clone(), spec.initramfs.clone());
+        spec.kernel = real(&kernel)?;
+        spec.initramfs = real(&initramfs)?;
         let launch = Launch {
             cmdline: Some(&cmdline),
+            memory: memory.as_ref(),
             ..launch
         };
-        let argv = build_argv(&spec, &paths, &launch)?;
+
+        let mut passed = PassedFds::new();
+        let mut fds = Inherited::default();
+        let bind = |path: &Path| {
+            UnixListener::bind(path)
+                .map_err(|e| VmError::io(format!("cannot bind {}", path.display()), e))
+        };
+        fds.qmp = passed.pass(bind(&paths.qmp_socket)?);
+        fds.agent = passed.pass(bind(&paths.agent_socket)?);
+        if let Some(tap) = &spec.tap {
+            let open = || crate::sys::tun::open_tap(tap);
+            let file = match &spec.netns {
+                Some(ns) => crate::sys::netns::with_netns(ns, open),
+                None => open(),
+            }
+            .map_err(|e| VmError::io(format!("cannot open tap {tap}"), e.source))?;
+            fds.tap = Some(passed.pass(file));
+        }
+        let (nodes, node_count) = pass_disk(disk::open_chain(&spec.disk)?, &mut passed);
+        fds.disk = nodes;
+        if let Incoming::File(state) = launch.incoming {
+            let file = File::open(state)
+                .map_err(|e| VmError::io(format!("cannot open {}", state.display()), e))?;
+            fds.incoming = Some(passed.pass(file));
+        }
+        let argv = build_argv(&spec, &fds, &launch)?;
+        let jail = plan_jail(&sockets.path, &binary, &spec, memory.as_ref())?;
 
         let log = OpenOptions::new()
             .create(true)
@@ -510,28 +799,32 @@ impl Vm {
             .map_err(|e| VmError::io("cannot duplicate the qemu log fd", e))?;
         let (console_out, console_in) =
             std::io::pipe().map_err(|e| VmError::io("cannot create the console pipe", e))?;
+        passed.fds.push((console_in.into(), CONSOLE_FD));
         let mut cmd = Command::new(&binary);
         // An empty environment: the server's (API key, extension token) is not QEMU's.
         cmd.args(&argv)
             .env_clear()
-            .current_dir(&spec.run_dir)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
         configure_child(
             &mut cmd,
-            spec.netns.as_ref().map(|f| f.as_raw_fd()),
-            Some(libc::SIGKILL),
-            &[(console_in.as_raw_fd(), CONSOLE_FD)],
+            ChildSetup {
+                netns: spec.netns.as_ref().map(|f| f.as_raw_fd()),
+                parent_death_signal: Some(libc::SIGKILL),
+                fds: passed.numbers(),
+                jail: Some(jail),
+                credentials: Some(credentials),
+            },
         );
         let started = Instant::now();
         let child = cmd.spawn().map_err(|source| VmError::Spawn {
             binary: binary.clone(),
             source,
         })?;
-        // The child has entered the namespace (or failed to) and holds its own copies.
-        drop(spec.netns);
-        drop(console_in);
+        // The child has entered the namespaces (or failed to) and holds its own copies;
+        // with the listeners closed here, a QEMU that dies makes the QMP connect fail.
+        drop(passed);
         let pid = child.id();
         let mut guard = ChildGuard(Some(child));
         let console = super::console::spawn_writer(
@@ -543,8 +836,8 @@ impl Vm {
         let qmp = connect_qmp(guard.0.as_mut().expect("set above"), &paths)?;
         let child = guard.0.take().expect("set above");
         log::info!(
-            "vm op=spawn pid={pid} accel={} cpus={} memoryMb={} kernel={} runDir={} \
-             incoming={} qmpMs={}",
+            "vm op=spawn pid={pid} user={VM_USER} accel={} cpus={} memoryMb={} kernel={} \
+             runDir={} incoming={} qmpMs={}",
             spec.accel.name(),
             spec.cpu_count,
             spec.memory_mb,
@@ -553,14 +846,16 @@ impl Vm {
             launch.incoming != Incoming::None,
             started.elapsed().as_millis()
         );
-        let memory = launch.memory.cloned();
+        let disk_node = fds.disk.last().expect("a chain has a top").name.clone();
         let facts = VmFacts {
-            kernel: spec.kernel,
-            initramfs: spec.initramfs,
+            kernel,
+            initramfs,
             kernel_cmdline: cmdline,
             cpu_count: spec.cpu_count,
             memory_mb: spec.memory_mb,
             disk: spec.disk,
+            disk_node,
+            disk_nodes_added: node_count,
             tap: spec.tap,
             memory,
         };
@@ -575,6 +870,36 @@ impl Vm {
             facts,
             migration_tuned: false,
         })
+    }
+
+    /// Switches the guest's disk onto `next`, a new empty qcow2 layer whose backing name
+    /// is the current top's file name (see [`disk::create_layer`]): the server opens it
+    /// and hands QEMU the descriptors (`add-fd`, `blockdev-add`, `blockdev-snapshot`).
+    /// From then on the previous top is never written again.
+    pub(crate) fn switch_disk(&mut self, next: &Path) -> Result<(), VmError> {
+        let open = |write: bool| {
+            OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(next)
+                .map_err(|e| VmError::io(format!("cannot open {}", next.display()), e))
+        };
+        let (rw, ro) = (open(true)?, open(false)?);
+        let name = format!("{LAYER_NODE_PREFIX}{}", self.facts.disk_nodes_added);
+        let fdset = self.qmp.add_fd(rw.as_fd(), &name)?;
+        self.qmp.add_fd_to(fdset, ro.as_fd(), &name)?;
+        let node = qcow2_node(&name, fdset, true, Some(Value::Null));
+        self.qmp.execute("blockdev-add", Some(node))?;
+        self.facts.disk_nodes_added += 1;
+        self.qmp.blockdev_snapshot(&self.facts.disk_node, &name)?;
+        self.facts.disk = next.to_path_buf();
+        self.facts.disk_node = name;
+        Ok(())
+    }
+
+    /// The block node name of the disk QEMU writes to now.
+    pub(crate) fn disk_node(&self) -> &str {
+        &self.facts.disk_node
     }
 
     /// The host end of the guest agent's virtio-serial port (a unix socket).
@@ -739,8 +1064,26 @@ mod tests {
         }
     }
 
-    fn paths(run_dir: &Path) -> RunPaths {
-        RunPaths::new(run_dir, Path::new("/run/agentenv/s/7.0"))
+    /// A chain of a raw base and two layers, numbered as [`pass_disk`] would.
+    fn fds() -> Inherited {
+        let node = |name: &str, fds: Vec<RawFd>, qcow2, writable, backing: Option<&str>| DiskNode {
+            name: name.into(),
+            fds,
+            qcow2,
+            writable,
+            backing: backing.map(str::to_owned),
+        };
+        Inherited {
+            qmp: 4,
+            agent: 5,
+            tap: Some(6),
+            disk: vec![
+                node("base", vec![7], false, false, None),
+                node("layer0", vec![8], true, false, Some("base")),
+                node("layer1", vec![9, 10], true, true, Some("layer0")),
+            ],
+            incoming: Some(11),
+        }
     }
 
     fn launch(incoming: Option<&Path>) -> Launch<'_> {
@@ -751,7 +1094,7 @@ mod tests {
     }
 
     fn argv(spec: &VmSpec, incoming: Option<&Path>) -> Vec<String> {
-        build_argv(spec, &paths(&spec.run_dir), &launch(incoming))
+        build_argv(spec, &fds(), &launch(incoming))
             .unwrap()
             .into_iter()
             .map(|s| s.into_string().unwrap())
@@ -820,29 +1163,39 @@ mod tests {
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
         );
         assert_eq!(
-            value(&a, "-drive"),
-            "id=root,file=/disks/a,,b.qcow2,format=qcow2,if=none,discard=unmap"
+            values(&a, "-blockdev"),
+            [
+                r#"{"driver":"file","filename":"/dev/fdset/7","node-name":"base","read-only":true}"#,
+                r#"{"backing":"base","driver":"qcow2","file":{"driver":"file","filename":"/dev/fdset/8","read-only":true},"node-name":"layer0","read-only":true}"#,
+                r#"{"backing":"layer0","discard":"unmap","driver":"qcow2","file":{"discard":"unmap","driver":"file","filename":"/dev/fdset/9","read-only":false},"node-name":"layer1","read-only":false}"#,
+            ]
         );
         assert_eq!(
-            value(&a, "-netdev"),
-            "tap,id=net0,ifname=tap0,script=no,downscript=no"
+            values(&a, "-add-fd"),
+            [
+                "fd=3,set=3,opaque=console",
+                "fd=7,set=7,opaque=base",
+                "fd=8,set=8,opaque=layer0",
+                "fd=9,set=9,opaque=layer1",
+                "fd=10,set=9,opaque=layer1",
+            ]
         );
+        assert_eq!(value(&a, "-netdev"), "tap,id=net0,fd=6");
         assert_eq!(
             values(&a, "-device"),
             [
-                "virtio-blk-device,drive=root",
+                "virtio-blk-device,drive=layer1",
                 "virtio-net-device,netdev=net0,mac=06:00:a9:fe:00:15",
                 "virtio-serial-device",
                 "virtserialport,chardev=agent,name=agentenv",
             ]
         );
-        assert_eq!(value(&a, "-add-fd"), "fd=3,set=3,opaque=console");
         assert_eq!(
             values(&a, "-chardev"),
             [
                 "file,id=console,path=/dev/fdset/3,append=on",
-                "socket,id=agent,path=/run/agentenv/s/7.0/agent.sock,server=on,wait=off",
-                "socket,id=qmp,path=/run/agentenv/s/7.0/qmp.sock,server=on,wait=off",
+                "socket,id=agent,fd=5,server=on,wait=off",
+                "socket,id=qmp,fd=4,server=on,wait=off",
             ]
         );
         assert_eq!(value(&a, "-serial"), "chardev:console");
@@ -856,14 +1209,13 @@ mod tests {
         s.tap = None;
         let a = argv(&s, Some(Path::new("/state/mem.bin")));
         assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
-        assert_eq!(value(&a, "-incoming"), "file:/state/mem.bin");
-        let paths = paths(&s.run_dir);
-        assert!(build_argv(&s, &paths, &launch(Some(Path::new("/a,b")))).is_err());
+        assert_eq!(value(&a, "-incoming"), "file:/dev/fdset/11");
+        assert!(a.iter().any(|x| x == "fd=11,set=11,opaque=incoming"));
     }
 
     #[test]
     fn bad_specs_are_refused() {
-        let paths = paths(Path::new("/r"));
+        let paths = fds();
         let mut s = spec(Accel::Kvm);
         s.kernel_args.push("bad\narg".into());
         assert!(build_argv(&s, &paths, &launch(None)).is_err());

@@ -4,6 +4,7 @@
 //! a command that timed out) and asynchronous events are skipped.
 
 use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -79,6 +80,18 @@ impl Qmp {
         arguments: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, VmError> {
+        self.execute_passing(command, arguments, timeout, None)
+    }
+
+    /// [`Qmp::execute_with_timeout`], with `fd` attached to the command (`SCM_RIGHTS`) for
+    /// `add-fd` and `getfd`.
+    fn execute_passing(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        timeout: Duration,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<Value, VmError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut request = json!({ "execute": command, "id": id });
@@ -87,12 +100,15 @@ impl Qmp {
         }
         let mut line = request.to_string();
         line.push('\n');
-        self.writer
-            .write_all(line.as_bytes())
-            .map_err(|source| VmError::QmpIo {
-                command: command.into(),
-                source,
-            })?;
+        let io_err = |source| VmError::QmpIo {
+            command: command.into(),
+            source,
+        };
+        match fd {
+            Some(fd) => crate::sys::fs::send_with_fd(&self.writer, line.as_bytes(), fd)
+                .map_err(|e| io_err(e.source))?,
+            None => self.writer.write_all(line.as_bytes()).map_err(io_err)?,
+        }
         let deadline = Instant::now() + timeout;
         loop {
             let message = self.read_message(command, deadline)?;
@@ -227,16 +243,73 @@ impl Qmp {
         .map(drop)
     }
 
-    /// Starts saving the VM state to `path` (`file:` migration, QEMU >= 9). Returns at
-    /// once; follow with [`Qmp::wait_migration`].
-    pub fn migrate_to_file(&mut self, path: &Path) -> Result<(), VmError> {
-        let path = path.to_str().ok_or_else(|| {
-            VmError::InvalidSpec(format!("state file path {} is not UTF-8", path.display()))
-        })?;
-        self.execute("migrate", Some(json!({ "uri": format!("file:{path}") })))
+    /// Hands `fd` to QEMU in a new fd set and returns the set's id: QEMU then opens
+    /// `/dev/fdset/<id>` (with the fd's access mode) instead of a path it cannot reach.
+    pub fn add_fd(&mut self, fd: BorrowedFd<'_>, opaque: &str) -> Result<u64, VmError> {
+        let timeout = self.timeout;
+        let ret = self.execute_passing(
+            "add-fd",
+            Some(json!({ "opaque": opaque })),
+            timeout,
+            Some(fd),
+        )?;
+        ret["fdset-id"].as_u64().ok_or_else(|| VmError::Qmp {
+            command: "add-fd".into(),
+            message: format!("no fdset-id in {ret}"),
+        })
+    }
+
+    /// Adds `fd` to the existing fd set `fdset` (e.g. a read-only descriptor next to a
+    /// read-write one of the same file).
+    pub fn add_fd_to(
+        &mut self,
+        fdset: u64,
+        fd: BorrowedFd<'_>,
+        opaque: &str,
+    ) -> Result<(), VmError> {
+        let timeout = self.timeout;
+        self.execute_passing(
+            "add-fd",
+            Some(json!({ "fdset-id": fdset, "opaque": opaque })),
+            timeout,
+            Some(fd),
+        )
+        .map(drop)
+    }
+
+    /// Closes QEMU's copies of the fds in set `fdset` (once nothing uses them any more).
+    pub fn remove_fd(&mut self, fdset: u64) -> Result<(), VmError> {
+        self.execute("remove-fd", Some(json!({ "fdset-id": fdset })))
             .map(drop)
     }
 
+    /// Starts saving the VM state to `path` (`file:` migration, QEMU >= 9). Returns at
+    /// once; follow with [`Qmp::wait_migration`]. The server creates the file (mode 0600)
+    /// and hands QEMU the descriptor: a confined QEMU cannot reach the path.
+    pub fn migrate_to_file(&mut self, path: &Path) -> Result<(), VmError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| VmError::io(format!("cannot create {}", path.display()), e))?;
+        self.migrate_via_fdset("migrate", &file)
+    }
+
+    /// `command` (`migrate` or `migrate-incoming`) with a `file:` URI naming a new fd set
+    /// that holds `file`; QEMU's own copy of the descriptor is released once it has
+    /// opened the file.
+    fn migrate_via_fdset(&mut self, command: &str, file: &std::fs::File) -> Result<(), VmError> {
+        use std::os::fd::AsFd;
+        let fdset = self.add_fd(file.as_fd(), command)?;
+        let uri = format!("file:/dev/fdset/{fdset}");
+        let started = self.execute(command, Some(json!({ "uri": uri })));
+        let removed = self.remove_fd(fdset);
+        started?;
+        removed
+    }
     /// Turns migration capabilities on or off, e.g. `[("x-ignore-shared", true)]`.
     pub fn migrate_set_capabilities(&mut self, caps: &[(&str, bool)]) -> Result<(), VmError> {
         let caps: Vec<Value> = caps
@@ -250,37 +323,23 @@ impl Qmp {
         .map(drop)
     }
 
-    /// On a VM started with `-incoming defer`: starts loading the state saved in `path`.
-    /// Returns at once; wait for the `paused` status.
+    /// On a VM started with `-incoming defer`: starts loading the state saved in `path`
+    /// (opened here, handed to QEMU as a descriptor). Returns at once; wait for the
+    /// `paused` status.
     pub fn migrate_incoming_file(&mut self, path: &Path) -> Result<(), VmError> {
-        let path = super::qemu::state_uri_path(path)?;
-        self.execute(
-            "migrate-incoming",
-            Some(json!({ "uri": format!("file:{path}") })),
-        )
-        .map(drop)
+        let file = std::fs::File::open(path)
+            .map_err(|e| VmError::io(format!("cannot open {}", path.display()), e))?;
+        self.migrate_via_fdset("migrate-incoming", &file)
     }
 
-    /// Switches the block device `device` onto the existing qcow2 `overlay` (whose backing
-    /// file must be the device's current image): from then on the guest writes to
-    /// `overlay`, and the previous image is never written again. QEMU keeps the overlay's
-    /// backing-file string as it is, so a relative one stays relative.
-    pub fn blockdev_snapshot_existing(
-        &mut self,
-        device: &str,
-        overlay: &Path,
-    ) -> Result<(), VmError> {
-        let overlay = overlay.to_str().ok_or_else(|| {
-            VmError::InvalidSpec(format!("disk path {} is not UTF-8", overlay.display()))
-        })?;
+    /// Switches the guest from the block node `node` onto `overlay`, a qcow2 node added
+    /// with `"backing": null` whose image names `node`'s image as its backing file: from
+    /// then on the guest writes to `overlay`, and `node` is never written again. QEMU keeps
+    /// the overlay's backing-file string as it is, so a relative one stays relative.
+    pub fn blockdev_snapshot(&mut self, node: &str, overlay: &str) -> Result<(), VmError> {
         self.execute(
-            "blockdev-snapshot-sync",
-            Some(json!({
-                "device": device,
-                "snapshot-file": overlay,
-                "format": "qcow2",
-                "mode": "existing",
-            })),
+            "blockdev-snapshot",
+            Some(json!({ "node": node, "overlay": overlay })),
         )
         .map(drop)
     }
