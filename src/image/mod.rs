@@ -350,7 +350,7 @@ impl ImageStore {
         let unique = cache::temp_name(key);
         let staging = TempPath::dir(tmp_root.join(format!("{unique}.staging")))?;
         let mut unpacker =
-            unpack::Unpacker::new(staging.path(), unpack::Budget::for_disk(disk_size_mb));
+            unpack::Unpacker::new(staging.path(), unpack::Budget::for_disk(disk_size_mb))?;
         for (layer, diff_id) in image
             .manifest
             .layers

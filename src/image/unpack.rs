@@ -12,14 +12,12 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{OsStr, OsString};
-use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::ImageError;
-use crate::sys::files::{self, NodeKind};
+use crate::sys::files::{DirFd, FileKind, NodeKind};
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_WHITEOUT: &[u8] = b".wh..wh..opq";
@@ -76,10 +74,30 @@ struct Special {
     fixup: Fixup,
 }
 
+/// A directory of the tree being built, held open, and where it is (for bookkeeping and
+/// messages; never used to reach it).
+struct Dir {
+    fd: DirFd,
+    path: PathBuf,
+}
+
+impl Dir {
+    /// The entry `name` in it, as a bookkeeping path.
+    fn child(&self, name: &OsStr) -> PathBuf {
+        self.path.join(name)
+    }
+}
+
 /// State that outlives one layer: directory times are set once every layer is applied,
 /// because adding entries to a directory changes its mtime.
+///
+/// Every file operation is relative to a directory descriptor reached from the root's
+/// one component at a time with `O_NOFOLLOW` (see [`DirFd`]): no path string is ever
+/// resolved by the kernel from the root down, so a symlink in the tree (put there by a
+/// layer, or swapped in by anyone while the unpacker runs) is never followed out of it.
 pub struct Unpacker {
     root: PathBuf,
+    root_fd: DirFd,
     dir_times: BTreeMap<PathBuf, (i64, i64)>,
     budget: Budget,
     used_bytes: u64,
@@ -93,17 +111,22 @@ struct LayerState {
     touched: HashSet<PathBuf>,
 }
 
+fn sys_err(e: crate::sys::SysError) -> ImageError {
+    ImageError::Io(e.to_string())
+}
+
 impl Unpacker {
     /// Unpacks into `root`, which must exist, within `budget`.
-    pub fn new(root: &Path, budget: Budget) -> Unpacker {
-        Unpacker {
+    pub fn new(root: &Path, budget: Budget) -> Result<Unpacker, ImageError> {
+        Ok(Unpacker {
             root: root.to_path_buf(),
+            root_fd: DirFd::open(root).map_err(sys_err)?,
             dir_times: BTreeMap::new(),
             budget,
             used_bytes: 0,
             used_inodes: 0,
             specials: BTreeMap::new(),
-        }
+        })
     }
 
     /// Applies one uncompressed layer tarball. `what` names the layer in errors.
@@ -128,20 +151,56 @@ impl Unpacker {
     pub fn finish(self) -> Result<Vec<Fixup>, ImageError> {
         // Deepest first, so setting a child's time does not disturb its parent's.
         for (path, (secs, nsec)) in self.dir_times.iter().rev() {
-            match files::set_times_nofollow(path, *secs, *nsec) {
-                Ok(()) => {}
-                Err(e) if e.errno() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(ImageError::Io(e.to_string())),
+            // A directory a later layer replaced, or moved under a symlink, is skipped.
+            if let Some((dir, name)) = self.find(path)? {
+                dir.set_times(&name, *secs, *nsec).map_err(sys_err)?;
             }
         }
         let mut fixups = Vec::new();
-        for (path, special) in self.specials {
+        for (path, special) in &self.specials {
             // Removals drop their entries; the inode check is a second guard.
-            if fs::symlink_metadata(&path).is_ok_and(|m| m.ino() == special.ino && m.is_file()) {
-                fixups.push(special.fixup);
+            let Some((dir, name)) = self.find(path)? else {
+                continue;
+            };
+            let stat = dir.stat(&name).map_err(sys_err)?;
+            if stat.is_some_and(|st| st.ino == special.ino && st.kind == FileKind::Regular) {
+                fixups.push(special.fixup.clone());
             }
         }
         Ok(fixups)
+    }
+
+    /// The directory holding the existing entry at bookkeeping path `path` and its name
+    /// (`.` for the root), reached without following any symlink; `None` when something
+    /// along the way is missing or no longer a directory.
+    fn find(&self, path: &Path) -> Result<Option<(DirFd, OsString)>, ImageError> {
+        let rel = path.strip_prefix(&self.root).unwrap_or(path);
+        let parts: Vec<&OsStr> = rel.iter().collect();
+        let Some((name, parents)) = parts.split_last() else {
+            let root = DirFd::open(&self.root).map_err(sys_err)?;
+            return Ok(Some((root, OsString::from("."))));
+        };
+        let mut dir: Option<DirFd> = None;
+        for part in parents {
+            let at = dir.as_ref().unwrap_or(&self.root_fd);
+            match at.open_dir(part) {
+                Ok(next) => dir = Some(next),
+                Err(e)
+                    if matches!(
+                        e.errno(),
+                        Some(libc::ENOENT) | Some(libc::ENOTDIR) | Some(libc::ELOOP)
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(e) => return Err(sys_err(e)),
+            }
+        }
+        let dir = match dir {
+            Some(d) => d,
+            None => DirFd::open(&self.root).map_err(sys_err)?,
+        };
+        Ok(Some((dir, name.to_os_string())))
     }
 
     /// Counts what an entry creates against the budget.
@@ -178,14 +237,18 @@ impl Unpacker {
             // The layer's own "./": metadata for the root directory.
             if kind.is_dir() {
                 let meta = EntryMeta::read(entry)?;
-                let root = self.root.clone();
-                self.apply_meta(&root, &meta, true, &display)?;
+                let root = Dir {
+                    fd: DirFd::open(&self.root).map_err(sys_err)?,
+                    path: self.root.clone(),
+                };
+                self.apply_meta(&root, OsStr::new("."), &meta, true, &display)?;
                 return Ok(());
             }
             return Err(ImageError::BadImage(format!(
                 "entry {display:?} would replace the root directory"
             )));
         };
+        let name = name.as_os_str();
 
         let name_bytes = name.as_bytes();
         if name_bytes.starts_with(WHITEOUT_PREFIX) {
@@ -195,25 +258,24 @@ impl Unpacker {
         let parent = self
             .resolve(parents, true, &display)?
             .expect("resolve creates missing parents");
-        let dest = parent.join(name);
+        let dest = parent.child(name);
         let meta = EntryMeta::read(entry)?;
         use tar::EntryType as T;
         match kind {
             T::Directory => {
-                match fs::symlink_metadata(&dest) {
-                    Ok(m) if m.is_dir() => {}
-                    Ok(_) => {
-                        self.remove_any(&dest)?;
+                match parent.fd.stat(name).map_err(sys_err)? {
+                    Some(st) if st.kind == FileKind::Dir => {}
+                    Some(_) => {
+                        self.remove_any(&parent, name, &display)?;
                         self.charge(&display, BLOCK, 1)?;
-                        mkdir(&dest)?;
+                        mkdir(&parent.fd, name)?;
                     }
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    None => {
                         self.charge(&display, BLOCK, 1)?;
-                        mkdir(&dest)?;
+                        mkdir(&parent.fd, name)?;
                     }
-                    Err(e) => return Err(io_err("lstat", &dest, e)),
                 }
-                self.apply_meta(&dest, &meta, true, &display)?;
+                self.apply_meta(&parent, name, &meta, true, &display)?;
             }
             T::Regular | T::Continuous | T::GNUSparse => {
                 let logical = entry.size();
@@ -231,12 +293,15 @@ impl Unpacker {
                         .map_err(|e| read_error(&display, e))?,
                     _ => logical,
                 };
-                self.remove_any(&dest)?;
+                self.remove_any(&parent, name, &display)?;
                 self.charge(&display, stored.div_ceil(BLOCK) * BLOCK, 1)?;
-                // tar's own unpack writes data runs and seeks over holes; the file is made
-                // with O_EXCL in a directory this unpacker resolved, after the removal.
-                entry.unpack(&dest).map_err(|e| read_error(&display, e))?;
-                self.apply_meta(&dest, &meta, false, &display)?;
+                // tar's own unpack writes data runs and seeks over holes. It creates the
+                // file with O_EXCL (never through a symlink) at a path that starts at the
+                // parent's descriptor, after the removal above.
+                entry
+                    .unpack(parent.fd.entry_path(name))
+                    .map_err(|e| read_error(&display, e))?;
+                self.apply_meta(&parent, name, &meta, false, &display)?;
             }
             T::Symlink => {
                 let target = entry
@@ -250,12 +315,14 @@ impl Unpacker {
                         "symlink {display:?} has an empty target"
                     )));
                 }
-                self.remove_any(&dest)?;
+                self.remove_any(&parent, name, &display)?;
                 let blocks = if target.len() >= 60 { BLOCK } else { 0 };
                 self.charge(&display, blocks, 1)?;
-                std::os::unix::fs::symlink(OsStr::from_bytes(&target), &dest)
-                    .map_err(|e| io_err("symlink", &dest, e))?;
-                self.apply_meta(&dest, &meta, false, &display)?;
+                parent
+                    .fd
+                    .symlink(name, OsStr::from_bytes(&target))
+                    .map_err(sys_err)?;
+                self.apply_meta(&parent, name, &meta, false, &display)?;
             }
             T::Link => {
                 let target = entry
@@ -277,20 +344,19 @@ impl Unpacker {
                         "hardlink {display:?} → {shown:?}: the target does not exist"
                     ))
                 })?;
-                let source = tparent.join(tname);
-                match fs::symlink_metadata(&source) {
-                    Ok(m) if m.is_dir() => {
+                let source = tparent.child(tname);
+                match tparent.fd.stat(tname).map_err(sys_err)? {
+                    Some(st) if st.kind == FileKind::Dir => {
                         return Err(ImageError::BadImage(format!(
                             "hardlink {display:?} → {shown:?}: the target is a directory"
                         )))
                     }
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    Some(_) => {}
+                    None => {
                         return Err(ImageError::BadImage(format!(
                             "hardlink {display:?} → {shown:?}: the target does not exist"
                         )))
                     }
-                    Err(e) => return Err(io_err("lstat", &source, e)),
                 }
                 if source != dest {
                     let special = self.specials.get(&source).cloned();
@@ -300,10 +366,13 @@ impl Unpacker {
                              supported"
                         )));
                     }
-                    self.remove_any(&dest)?;
+                    self.remove_any(&parent, name, &display)?;
                     self.charge(&display, 0, 0)?;
                     // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked itself.
-                    fs::hard_link(&source, &dest).map_err(|e| io_err("link", &dest, e))?;
+                    parent
+                        .fd
+                        .hard_link(name, &tparent.fd, tname)
+                        .map_err(sys_err)?;
                     if let Some(mut special) = special {
                         special.fixup.path = self.image_path(&dest, &display)?;
                         self.specials.insert(dest.clone(), special);
@@ -319,25 +388,21 @@ impl Unpacker {
                 let header = entry.header();
                 let major = header.device_major().ok().flatten().unwrap_or(0);
                 let minor = header.device_minor().ok().flatten().unwrap_or(0);
-                self.remove_any(&dest)?;
+                self.remove_any(&parent, name, &display)?;
                 self.charge(&display, 0, 1)?;
                 // Never a real device on the host: an empty file the ext4 fixup replaces.
-                OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                    .open(&dest)
-                    .map_err(|e| io_err("create", &dest, e))?;
-                self.keep_special(&dest, &meta, Some((node, major, minor)), &display)?;
-                self.apply_meta(&dest, &meta, false, &display)?;
+                drop(parent.fd.create_file(name, 0o600).map_err(sys_err)?);
+                self.keep_special(&parent, name, &meta, Some((node, major, minor)), &display)?;
+                self.apply_meta(&parent, name, &meta, false, &display)?;
             }
             T::Fifo => {
-                self.remove_any(&dest)?;
+                self.remove_any(&parent, name, &display)?;
                 self.charge(&display, 0, 1)?;
-                files::mknod(&dest, NodeKind::Fifo, 0o600, 0, 0)
-                    .map_err(|e| ImageError::Io(e.to_string()))?;
-                self.apply_meta(&dest, &meta, false, &display)?;
+                parent
+                    .fd
+                    .mknod(name, NodeKind::Fifo, 0o600, 0, 0)
+                    .map_err(sys_err)?;
+                self.apply_meta(&parent, name, &meta, false, &display)?;
             }
             other => {
                 return Err(ImageError::BadImage(format!(
@@ -373,26 +438,31 @@ impl Unpacker {
             return Ok(());
         };
         if opaque {
-            self.remove_untouched_children(&parent, &state.touched)
+            self.remove_untouched_children(&parent, &state.touched, display)
         } else {
-            self.remove_any(&parent.join(OsStr::from_bytes(hidden)))
+            self.remove_any(&parent, OsStr::from_bytes(hidden), display)
         }
     }
 
-    /// Records that the host file at `path` lacks what the guest must see (setuid bits,
-    /// capabilities, a device node).
+    /// Records that the host file `name` in `dir` lacks what the guest must see (setuid
+    /// bits, capabilities, a device node).
     fn keep_special(
         &mut self,
-        path: &Path,
+        dir: &Dir,
+        name: &OsStr,
         meta: &EntryMeta,
         device: Option<(NodeKind, u32, u32)>,
         display: &str,
     ) -> Result<(), ImageError> {
-        let ino = fs::symlink_metadata(path)
-            .map_err(|e| io_err("lstat", path, e))?
-            .ino();
+        let path = dir.child(name);
+        let ino = dir
+            .fd
+            .stat(name)
+            .map_err(sys_err)?
+            .ok_or_else(|| ImageError::Io(format!("{} vanished", path.display())))?
+            .ino;
         let fixup = Fixup {
-            path: self.image_path(path, display)?,
+            path: self.image_path(&path, display)?,
             device,
             mode: meta.mode,
             uid: meta.uid,
@@ -400,8 +470,7 @@ impl Unpacker {
             mtime: meta.mtime.0,
             capability: meta.capability.clone(),
         };
-        self.specials
-            .insert(path.to_path_buf(), Special { ino, fixup });
+        self.specials.insert(path, Special { ino, fixup });
         Ok(())
     }
 
@@ -425,85 +494,105 @@ impl Unpacker {
 
     /// Resolves `components` (directories) inside the root, following symlinks the way
     /// the guest would see them: absolute targets restart at the root, and climbing above
-    /// the root is refused. With `create`, missing directories are made (0755, root);
+    /// the root is refused. Each step opens one directory relative to the previous one
+    /// with `O_NOFOLLOW`; a symlink is read and its target walked the same way, never
+    /// handed to the kernel. With `create`, missing directories are made (0755, root);
     /// without, a missing one yields `None`.
     fn resolve(
         &mut self,
         components: &[OsString],
         create: bool,
         display: &str,
-    ) -> Result<Option<PathBuf>, ImageError> {
+    ) -> Result<Option<Dir>, ImageError> {
         let escape = || ImageError::BadImage(format!("entry {display:?} escapes the root"));
-        let mut resolved: Vec<OsString> = Vec::new();
+        // The directories walked so far below the root, and their names.
+        let mut walked: Vec<(OsString, DirFd)> = Vec::new();
         let mut pending: Vec<OsString> = components.iter().rev().cloned().collect();
         let mut followed = 0;
         while let Some(c) = pending.pop() {
             if c == ".." {
-                resolved.pop().ok_or_else(escape)?;
+                walked.pop().ok_or_else(escape)?;
                 continue;
             }
             if c.is_empty() || c == "." {
                 continue;
             }
-            let mut candidate = self.root.clone();
-            candidate.extend(&resolved);
-            candidate.push(&c);
-            match fs::symlink_metadata(&candidate) {
-                Ok(m) if m.is_dir() => resolved.push(c),
-                Ok(m) if m.file_type().is_symlink() => {
+            let at = walked.last().map_or(&self.root_fd, |(_, d)| d);
+            let shown = || {
+                let mut p: PathBuf = walked.iter().map(|(n, _)| n.as_os_str()).collect();
+                p.push(&c);
+                p
+            };
+            match at.stat(&c).map_err(sys_err)? {
+                Some(st) if st.kind == FileKind::Dir => {
+                    let dir = at.open_dir(&c).map_err(|e| {
+                        ImageError::BadImage(format!(
+                            "entry {display:?}: {} changed while it was unpacked ({e})",
+                            shown().display()
+                        ))
+                    })?;
+                    walked.push((c, dir));
+                }
+                Some(st) if st.kind == FileKind::Symlink => {
                     followed += 1;
                     if followed > MAX_SYMLINKS {
                         return Err(ImageError::BadImage(format!(
                             "entry {display:?}: too many levels of symlinks"
                         )));
                     }
-                    let target =
-                        fs::read_link(&candidate).map_err(|e| io_err("readlink", &candidate, e))?;
-                    let bytes = target.as_os_str().as_bytes();
+                    let target = at.read_link(&c).map_err(sys_err)?;
+                    let bytes = target.as_bytes();
                     if bytes.starts_with(b"/") {
-                        resolved.clear();
+                        walked.clear();
                     }
                     for part in bytes.split(|b| *b == b'/').rev() {
                         pending.push(OsStr::from_bytes(part).to_os_string());
                     }
                 }
-                Ok(_) => {
+                Some(_) => {
                     if !create {
                         return Ok(None);
                     }
                     return Err(ImageError::BadImage(format!(
                         "entry {display:?}: {} is not a directory",
-                        candidate
-                            .strip_prefix(&self.root)
-                            .unwrap_or(&candidate)
-                            .display()
+                        shown().display()
                     )));
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                None => {
                     if !create {
                         return Ok(None);
                     }
                     self.charge(display, BLOCK, 1)?;
-                    mkdir(&candidate)?;
-                    resolved.push(c);
+                    let at = walked.last().map_or(&self.root_fd, |(_, d)| d);
+                    mkdir(at, &c)?;
+                    let dir = at.open_dir(&c).map_err(sys_err)?;
+                    walked.push((c, dir));
                 }
-                Err(e) => return Err(io_err("lstat", &candidate, e)),
             }
         }
         let mut path = self.root.clone();
-        path.extend(&resolved);
-        Ok(Some(path))
+        path.extend(walked.iter().map(|(n, _)| n));
+        let fd = match walked.pop() {
+            Some((_, d)) => d,
+            None => DirFd::open(&self.root).map_err(sys_err)?,
+        };
+        Ok(Some(Dir { fd, path }))
     }
 
     fn apply_meta(
         &mut self,
-        path: &Path,
+        dir: &Dir,
+        name: &OsStr,
         meta: &EntryMeta,
         is_dir: bool,
         display: &str,
     ) -> Result<(), ImageError> {
-        let sys = |e: crate::sys::SysError| ImageError::Io(e.to_string());
-        files::lchown(path, meta.uid, meta.gid).map_err(sys)?;
+        dir.fd.chown(name, meta.uid, meta.gid).map_err(sys_err)?;
+        let path = if name == "." {
+            dir.path.clone()
+        } else {
+            dir.child(name)
+        };
         if !meta.is_symlink {
             // setuid/setgid on a host file would let a local user gain the owner's rights;
             // the guest gets them from the ext4 fixup. On directories they only steer
@@ -514,70 +603,69 @@ impl Unpacker {
             } else {
                 meta.mode & !0o6000
             };
-            if privileged && !self.specials.contains_key(path) {
-                self.keep_special(path, meta, None, display)?;
+            if privileged && !self.specials.contains_key(&path) {
+                self.keep_special(dir, name, meta, None, display)?;
             }
             // After chown, which clears setuid/setgid.
-            fs::set_permissions(path, fs::Permissions::from_mode(host_mode))
-                .map_err(|e| io_err("chmod", path, e))?;
+            dir.fd.chmod(name, host_mode).map_err(sys_err)?;
         }
-        for (name, value) in &meta.xattrs {
-            match files::lsetxattr(path, name, value) {
+        for (xattr, value) in &meta.xattrs {
+            match dir.fd.set_xattr(name, xattr, value) {
                 Ok(()) => {}
                 // The staging file system may not take every namespace; mkfs copies what
                 // is there, and images rarely depend on xattrs.
                 Err(e) if matches!(e.errno(), Some(libc::ENOTSUP) | Some(libc::EPERM)) => {
                     log::warn!(
-                        "op=unpack xattr={name} path={} skipped: {e}",
+                        "op=unpack xattr={xattr} path={} skipped: {e}",
                         path.display()
                     );
                 }
-                Err(e) => return Err(sys(e)),
+                Err(e) => return Err(sys_err(e)),
             }
         }
         if is_dir {
-            self.dir_times.insert(path.to_path_buf(), meta.mtime);
+            self.dir_times.insert(path, meta.mtime);
         } else {
-            files::set_times_nofollow(path, meta.mtime.0, meta.mtime.1).map_err(sys)?;
+            dir.fd
+                .set_times(name, meta.mtime.0, meta.mtime.1)
+                .map_err(sys_err)?;
         }
         Ok(())
     }
 
-    /// Removes whatever is at `path` (a directory recursively), never following a
-    /// symlink and never anything but a strict descendant of the root. What it held is
-    /// given back to the budget, and setuid/device records under it are dropped.
-    fn remove_any(&mut self, path: &Path) -> Result<(), ImageError> {
-        if path == self.root || !path.starts_with(&self.root) {
+    /// Removes whatever is at `name` in `dir` (a directory recursively), never following
+    /// a symlink: every step is relative to an open directory. What it held is given back
+    /// to the budget, and setuid/device records under it are dropped.
+    fn remove_any(&mut self, dir: &Dir, name: &OsStr, display: &str) -> Result<(), ImageError> {
+        if name.is_empty() || name == "." || name == ".." || name.as_bytes().contains(&b'/') {
             return Err(ImageError::BadImage(format!(
-                "refusing to remove {}: not inside the image root",
-                path.display()
+                "entry {display:?}: refusing to remove {:?}, not an entry of the image",
+                name
             )));
         }
-        let md = match fs::symlink_metadata(path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io_err("lstat", path, e)),
+        let path = dir.child(name);
+        let Some(st) = dir.fd.stat(name).map_err(sys_err)? else {
+            return Ok(());
         };
-        if md.is_dir() {
-            let children: Vec<PathBuf> = fs::read_dir(path)
-                .map_err(|e| io_err("readdir", path, e))?
-                .map(|e| e.map(|e| e.path()))
-                .collect::<Result<_, _>>()
-                .map_err(|e| io_err("readdir", path, e))?;
-            for child in children {
-                self.remove_any(&child)?;
+        if st.kind == FileKind::Dir {
+            let child = Dir {
+                fd: dir.fd.open_dir(name).map_err(sys_err)?,
+                path: path.clone(),
+            };
+            for entry in child.fd.entries().map_err(sys_err)? {
+                self.remove_any(&child, &entry, display)?;
             }
-            fs::remove_dir(path).map_err(|e| io_err("remove", path, e))?;
+            dir.fd.remove(name, true).map_err(sys_err)?;
             self.refund(BLOCK, 1);
-            self.dir_times.remove(path);
+            self.dir_times.remove(&path);
         } else {
-            fs::remove_file(path).map_err(|e| io_err("remove", path, e))?;
-            if md.nlink() <= 1 {
-                let bytes = (md.blocks() * 512).min(md.len().div_ceil(BLOCK) * BLOCK);
+            dir.fd.remove(name, false).map_err(sys_err)?;
+            if st.nlink <= 1 {
+                let bytes = (st.blocks * 512).min(st.size.div_ceil(BLOCK) * BLOCK);
                 self.refund(bytes, 1);
             }
         }
-        self.specials.remove(path);
+        self.specials.remove(&path);
         Ok(())
     }
 
@@ -590,21 +678,25 @@ impl Unpacker {
     /// goes.
     fn remove_untouched_children(
         &mut self,
-        dir: &Path,
+        dir: &Dir,
         touched: &HashSet<PathBuf>,
+        display: &str,
     ) -> Result<(), ImageError> {
-        let entries = fs::read_dir(dir).map_err(|e| io_err("readdir", dir, e))?;
-        let mut children = Vec::new();
-        for entry in entries {
-            let entry = entry.map_err(|e| io_err("readdir", dir, e))?;
-            let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
-            children.push((entry.path(), is_dir));
-        }
-        for (path, is_dir) in children {
+        for name in dir.fd.entries().map_err(sys_err)? {
+            let path = dir.child(&name);
             if !touched.contains(&path) {
-                self.remove_any(&path)?;
-            } else if is_dir {
-                self.remove_untouched_children(&path, touched)?;
+                self.remove_any(dir, &name, display)?;
+            } else if dir
+                .fd
+                .stat(&name)
+                .map_err(sys_err)?
+                .is_some_and(|st| st.kind == FileKind::Dir)
+            {
+                let child = Dir {
+                    fd: dir.fd.open_dir(&name).map_err(sys_err)?,
+                    path,
+                };
+                self.remove_untouched_children(&child, touched, display)?;
             }
         }
         Ok(())
@@ -704,14 +796,10 @@ fn split_path(raw: &[u8]) -> Option<Vec<OsString>> {
     Some(out)
 }
 
-fn mkdir(path: &Path) -> Result<(), ImageError> {
-    fs::create_dir(path).map_err(|e| io_err("mkdir", path, e))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
-        .map_err(|e| io_err("chmod", path, e))
-}
-
-fn io_err(op: &str, path: &Path, e: io::Error) -> ImageError {
-    ImageError::Io(format!("{op} {}: {e}", path.display()))
+/// Creates the directory `name` in `dir`, mode 0755 whatever the umask.
+fn mkdir(dir: &DirFd, name: &OsStr) -> Result<(), ImageError> {
+    dir.mkdir(name, 0o755).map_err(sys_err)?;
+    dir.chmod(name, 0o755).map_err(sys_err)
 }
 
 fn read_error(what: &str, e: io::Error) -> ImageError {
@@ -728,6 +816,8 @@ mod tests {
     use super::*;
     use crate::image::testutil::TempDir;
     use crate::image::LayerBuilder;
+    use crate::sys::files;
+    use std::fs;
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
     fn is_root() -> bool {
@@ -749,7 +839,7 @@ mod tests {
         let t = TempDir::new(name);
         let root = t.path().join("root");
         fs::create_dir(&root).unwrap();
-        let mut u = Unpacker::new(&root, budget);
+        let mut u = Unpacker::new(&root, budget).unwrap();
         let mut result = Ok(());
         for (i, layer) in layers.into_iter().enumerate() {
             let tar = layer.finish();
@@ -1023,7 +1113,7 @@ mod tests {
             fs::write(root.join("kept"), b"k").unwrap();
             let mut l = LayerBuilder::new();
             l.raw(raw_header(tar::EntryType::Regular), name, &[]);
-            let mut u = Unpacker::new(&root, Budget::for_disk(64));
+            let mut u = Unpacker::new(&root, Budget::for_disk(64)).unwrap();
             let r = u.apply_layer(l.finish().as_slice(), "layer 0");
             assert!(
                 matches!(&r, Err(ImageError::BadImage(m)) if m.contains(name) && m.contains("whiteout")),
@@ -1195,5 +1285,54 @@ mod tests {
             Some(vec!["a".into(), "b".into(), "c".into()])
         );
         assert_eq!(split_path(b"a/../b"), None);
+    }
+
+    #[test]
+    fn a_symlink_swapped_into_the_tree_is_never_followed_out_of_it() {
+        assert!(is_root(), "needs root (chown): run the suite with sudo");
+        let t = TempDir::new("swap");
+        let outside = t.path().join("outside");
+        fs::create_dir_all(outside.join("sub")).unwrap();
+        fs::write(outside.join("victim"), b"host").unwrap();
+        let sub_mtime = || fs::metadata(outside.join("sub")).unwrap().mtime();
+        let before = sub_mtime();
+        let root = t.path().join("root");
+        fs::create_dir(&root).unwrap();
+        let mut u = Unpacker::new(&root, Budget::for_disk(64)).unwrap();
+        let mut l1 = LayerBuilder::new();
+        l1.dir("d", 0o755)
+            .dir("d/sub", 0o755)
+            .file("d/victim", 0o644, b"image");
+        u.apply_layer(l1.finish().as_slice(), "layer 0").unwrap();
+        // Someone swaps `d` for a symlink to a host directory while the unpacker runs.
+        fs::remove_dir_all(root.join("d")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("d")).unwrap();
+        let mut l2 = LayerBuilder::new();
+        l2.file("d/new", 0o644, b"x").whiteout("d/victim");
+        u.apply_layer(l2.finish().as_slice(), "layer 1").unwrap();
+        u.finish().unwrap();
+        // The host directory is untouched: no file written or removed, no time set on
+        // the directory `d/sub` once was.
+        assert_eq!(fs::read(outside.join("victim")).unwrap(), b"host");
+        assert!(!outside.join("new").exists());
+        assert_eq!(sub_mtime(), before);
+        // The absolute link resolved inside the image, where the guest finds the file.
+        let inner = root.join(outside.strip_prefix("/").unwrap());
+        assert_eq!(fs::read(inner.join("new")).unwrap(), b"x");
+
+        // A swapped-in link that climbs out is a bad image naming the entry.
+        fs::remove_file(root.join("d")).unwrap();
+        std::os::unix::fs::symlink("../../../../../../../../..", root.join("d")).unwrap();
+        let mut u = Unpacker::new(&root, Budget::for_disk(64)).unwrap();
+        let mut l3 = LayerBuilder::new();
+        l3.file("d/escaped", 0o644, b"x").whiteout("d/victim");
+        let r = u.apply_layer(l3.finish().as_slice(), "layer 2");
+        assert!(
+            matches!(&r, Err(ImageError::BadImage(m))
+                if m.contains("layer 2") && m.contains("\"d/escaped\" escapes the root")),
+            "{r:?}"
+        );
+        assert_eq!(fs::read(outside.join("victim")).unwrap(), b"host");
+        assert!(!t.path().join("escaped").exists());
     }
 }

@@ -1,14 +1,17 @@
-//! File-system calls that `std` does not offer: device nodes, ownership and times of
-//! symlinks themselves, extended attributes. Used by image layer application.
+//! File-system calls that `std` does not offer, all relative to an open directory
+//! ([`DirFd`]): device nodes, ownership and times of symlinks themselves, extended
+//! attributes, removal without following symlinks. Used by image layer application.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::fs::File;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
 
 use super::{check, SysError, SysResult};
 
-/// The kind of special file [`mknod`] creates.
+/// The kind of special file [`DirFd::mknod`] creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NodeKind {
     Char,
@@ -16,85 +19,362 @@ pub enum NodeKind {
     Fifo,
 }
 
-fn c_path(op: &str, path: &Path) -> SysResult<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+fn c_name(op: &str, name: &OsStr) -> SysResult<CString> {
+    CString::new(name.as_bytes()).map_err(|_| {
         SysError::from_io(
-            format!("{op} {}", path.display()),
-            io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"),
+            format!("{op} {}", name.to_string_lossy()),
+            io::Error::new(io::ErrorKind::InvalidInput, "name contains a NUL byte"),
         )
     })
 }
 
-/// Creates a character device, block device or FIFO at `path` with permission bits `mode`
-/// (the umask still applies; callers set the final mode with chmod afterwards).
-pub fn mknod(path: &Path, kind: NodeKind, mode: u32, major: u32, minor: u32) -> SysResult<()> {
-    let c = c_path("mknod", path)?;
-    let type_bits = match kind {
-        NodeKind::Char => libc::S_IFCHR,
-        NodeKind::Block => libc::S_IFBLK,
-        NodeKind::Fifo => libc::S_IFIFO,
-    };
-    let dev = libc::makedev(major, minor);
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; mknod reads
-    // only that string and the integer arguments.
-    let ret = unsafe { libc::mknod(c.as_ptr(), type_bits | (mode & 0o7777), dev) };
-    check(ret, || format!("mknod {}", path.display())).map(drop)
+/// What [`DirFd::stat`] says about an entry (never a symlink's target).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub kind: FileKind,
+    pub ino: u64,
+    pub nlink: u64,
+    /// 512-byte blocks allocated.
+    pub blocks: u64,
+    pub size: u64,
 }
 
-/// Changes the owner of `path` without following a symlink at its last component.
-pub fn lchown(path: &Path, uid: u32, gid: u32) -> SysResult<()> {
-    let c = c_path("lchown", path)?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
-    let ret = unsafe { libc::lchown(c.as_ptr(), uid, gid) };
-    check(ret, || format!("lchown {}", path.display())).map(drop)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    Dir,
+    Symlink,
+    Regular,
+    Other,
 }
 
-/// Sets access and modification time (seconds, nanoseconds) of `path` without following a
-/// symlink at its last component.
-pub fn set_times_nofollow(path: &Path, mtime_secs: i64, mtime_nsec: i64) -> SysResult<()> {
-    let c = c_path("utimensat", path)?;
-    let ts = libc::timespec {
-        tv_sec: mtime_secs as libc::time_t,
-        tv_nsec: mtime_nsec as libc::c_long,
-    };
-    let times = [ts, ts];
-    // SAFETY: `c` is a valid NUL-terminated string and `times` is an array of exactly the
-    // two timespecs utimensat reads; both outlive the call.
-    let ret = unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    check(ret, || format!("utimensat {}", path.display())).map(drop)
+/// An open directory, the anchor of `*at` calls: every operation names one entry *in*
+/// it (a single path component), never follows a symlink at that entry, and so can
+/// neither leave the directory nor be redirected by a symlink swapped in along a path.
+#[derive(Debug)]
+pub struct DirFd {
+    fd: OwnedFd,
 }
 
-/// Sets the extended attribute `name` on `path` itself (not a symlink's target).
-pub fn lsetxattr(path: &Path, name: &str, value: &[u8]) -> SysResult<()> {
-    let c = c_path("lsetxattr", path)?;
-    let n = CString::new(name).map_err(|_| {
-        SysError::from_io(
-            format!("lsetxattr {} {name}", path.display()),
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "xattr name contains a NUL byte",
-            ),
-        )
-    })?;
-    // SAFETY: `c` and `n` are valid NUL-terminated strings and `value` is a live slice whose
-    // pointer and length are passed together; the kernel only reads them.
-    let ret = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    check(ret, || format!("lsetxattr {} {name}", path.display())).map(drop)
+impl DirFd {
+    /// Opens the directory `path` (trusted: the caller's own, e.g. an image root).
+    pub fn open(path: &Path) -> SysResult<DirFd> {
+        let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+            SysError::from_errno(
+                format!("open {}: NUL in path", path.display()),
+                libc::EINVAL,
+            )
+        })?;
+        // SAFETY: `c` is a valid C string that outlives the call.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        check(fd, || format!("open directory {}", path.display()))?;
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(DirFd { fd })
+    }
+
+    /// Opens the subdirectory `name`; fails (`ELOOP`/`ENOTDIR`) if it is a symlink or not
+    /// a directory.
+    pub fn open_dir(&self, name: &OsStr) -> SysResult<DirFd> {
+        let c = c_name("openat", name)?;
+        // SAFETY: `c` is a valid C string that outlives the call; the dir fd is open.
+        let fd = unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        check(fd, || format!("openat {}", name.to_string_lossy()))?;
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(DirFd { fd })
+    }
+
+    /// The entry `name` itself; `None` if there is none.
+    pub fn stat(&self, name: &OsStr) -> SysResult<Option<Stat>> {
+        let c = c_name("fstatat", name)?;
+        // SAFETY: an all-zero `stat` is a valid value; fstatat fills it.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` and `st` are valid for the call; the dir fd is open.
+        let ret = unsafe {
+            libc::fstatat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if ret < 0 {
+            let e = SysError::last(format!("fstatat {}", name.to_string_lossy()));
+            return match e.errno() {
+                Some(libc::ENOENT) => Ok(None),
+                _ => Err(e),
+            };
+        }
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFREG => FileKind::Regular,
+            _ => FileKind::Other,
+        };
+        Ok(Some(Stat {
+            kind,
+            ino: st.st_ino,
+            nlink: st.st_nlink,
+            blocks: st.st_blocks as u64,
+            size: st.st_size as u64,
+        }))
+    }
+
+    /// The names in this directory (without `.` and `..`).
+    pub fn entries(&self) -> SysResult<Vec<OsString>> {
+        let op = || "readdir".to_string();
+        // SAFETY: dup of an open fd; the copy is handed to fdopendir, which owns it.
+        let dup = unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        check(dup, op)?;
+        // SAFETY: `dup` is an open directory fd that the DIR stream takes over.
+        let dir = unsafe { libc::fdopendir(dup) };
+        if dir.is_null() {
+            let e = SysError::last(op());
+            // SAFETY: fdopendir failed, so `dup` is still ours to close.
+            unsafe { libc::close(dup) };
+            return Err(e);
+        }
+        // The stream starts where the fd's offset is: rewind (the fd may have been read).
+        // SAFETY: `dir` is a valid stream until closedir below.
+        unsafe { libc::rewinddir(dir) };
+        let mut names = Vec::new();
+        let result = loop {
+            // readdir signals errors only through errno.
+            // SAFETY: __errno_location returns this thread's errno slot.
+            unsafe { *libc::__errno_location() = 0 };
+            // SAFETY: `dir` is a valid stream.
+            let entry = unsafe { libc::readdir(dir) };
+            if entry.is_null() {
+                // SAFETY: as above.
+                let errno = unsafe { *libc::__errno_location() };
+                break if errno == 0 {
+                    Ok(())
+                } else {
+                    Err(SysError::from_errno(op(), errno))
+                };
+            }
+            // SAFETY: `d_name` of a returned entry is a NUL-terminated string valid until
+            // the next readdir; it is copied at once.
+            let name = unsafe { CStr::from_ptr((*entry).d_name.as_ptr()) };
+            let bytes = name.to_bytes();
+            if bytes != b"." && bytes != b".." {
+                names.push(OsStr::from_bytes(bytes).to_os_string());
+            }
+        };
+        // SAFETY: `dir` is valid and closed once.
+        unsafe { libc::closedir(dir) };
+        result.map(|()| names)
+    }
+
+    /// Creates the directory `name` with `mode` (less the umask).
+    pub fn mkdir(&self, name: &OsStr, mode: u32) -> SysResult<()> {
+        let c = c_name("mkdirat", name)?;
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let ret = unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) };
+        check(ret, || format!("mkdirat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Removes the entry `name`: an empty directory with `dir`, anything else without.
+    pub fn remove(&self, name: &OsStr, dir: bool) -> SysResult<()> {
+        let c = c_name("unlinkat", name)?;
+        let flags = if dir { libc::AT_REMOVEDIR } else { 0 };
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let ret = unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) };
+        check(ret, || format!("unlinkat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Creates the symlink `name` pointing at `target` (stored as given, never resolved
+    /// here).
+    pub fn symlink(&self, name: &OsStr, target: &OsStr) -> SysResult<()> {
+        let c = c_name("symlinkat", name)?;
+        let t = c_name("symlinkat", target)?;
+        // SAFETY: both strings are valid for the call; the dir fd is open.
+        let ret = unsafe { libc::symlinkat(t.as_ptr(), self.fd.as_raw_fd(), c.as_ptr()) };
+        check(ret, || format!("symlinkat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// The target of the symlink `name`.
+    pub fn read_link(&self, name: &OsStr) -> SysResult<OsString> {
+        let c = c_name("readlinkat", name)?;
+        let mut buf = vec![0u8; libc::PATH_MAX as usize];
+        // SAFETY: `buf` is writable for its length; `c` is valid; the dir fd is open.
+        let n = unsafe {
+            libc::readlinkat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        if n < 0 {
+            return Err(SysError::last(format!(
+                "readlinkat {}",
+                name.to_string_lossy()
+            )));
+        }
+        buf.truncate(n as usize);
+        Ok(OsString::from_vec(buf))
+    }
+
+    /// Hard-links `from`'s entry `from_name` (itself, even a symlink) as `name` here.
+    pub fn hard_link(&self, name: &OsStr, from: &DirFd, from_name: &OsStr) -> SysResult<()> {
+        let c = c_name("linkat", name)?;
+        let f = c_name("linkat", from_name)?;
+        // SAFETY: both strings are valid for the call; both dir fds are open. Flags 0:
+        // a symlink is linked itself, not followed.
+        let ret = unsafe {
+            libc::linkat(
+                from.fd.as_raw_fd(),
+                f.as_ptr(),
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                0,
+            )
+        };
+        check(ret, || format!("linkat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Creates a character device, block device or FIFO `name` with permission bits
+    /// `mode` (less the umask).
+    pub fn mknod(
+        &self,
+        name: &OsStr,
+        kind: NodeKind,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> SysResult<()> {
+        let c = c_name("mknodat", name)?;
+        let type_bits = match kind {
+            NodeKind::Char => libc::S_IFCHR,
+            NodeKind::Block => libc::S_IFBLK,
+            NodeKind::Fifo => libc::S_IFIFO,
+        };
+        let dev = libc::makedev(major, minor);
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let ret = unsafe {
+            libc::mknodat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                type_bits | (mode & 0o7777),
+                dev,
+            )
+        };
+        check(ret, || format!("mknodat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Creates the new, empty regular file `name` (never through an existing entry).
+    pub fn create_file(&self, name: &OsStr, mode: u32) -> SysResult<File> {
+        let c = c_name("openat", name)?;
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let fd = unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                mode as libc::c_uint,
+            )
+        };
+        check(fd, || format!("create {}", name.to_string_lossy()))?;
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        Ok(unsafe { File::from_raw_fd(fd) })
+    }
+
+    /// Changes the owner of the entry `name` itself (`.`: this directory).
+    pub fn chown(&self, name: &OsStr, uid: u32, gid: u32) -> SysResult<()> {
+        let c = c_name("fchownat", name)?;
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let ret = unsafe {
+            libc::fchownat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                uid,
+                gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        check(ret, || format!("fchownat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Sets the permission bits of the entry `name`, which must not be a symlink (Linux
+    /// cannot chmod a link itself); one is refused.
+    pub fn chmod(&self, name: &OsStr, mode: u32) -> SysResult<()> {
+        if self
+            .stat(name)?
+            .is_some_and(|s| s.kind == FileKind::Symlink)
+        {
+            return Err(SysError::from_errno(
+                format!("chmod {}: a symlink", name.to_string_lossy()),
+                libc::ELOOP,
+            ));
+        }
+        let c = c_name("fchmodat", name)?;
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let ret =
+            unsafe { libc::fchmodat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t, 0) };
+        check(ret, || format!("fchmodat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// Sets access and modification time of the entry `name` itself.
+    pub fn set_times(&self, name: &OsStr, secs: i64, nsec: i64) -> SysResult<()> {
+        let c = c_name("utimensat", name)?;
+        let ts = libc::timespec {
+            tv_sec: secs as libc::time_t,
+            tv_nsec: nsec as libc::c_long,
+        };
+        let times = [ts, ts];
+        // SAFETY: `c` is valid and `times` is the array of two timespecs utimensat reads;
+        // the dir fd is open.
+        let ret = unsafe {
+            libc::utimensat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                times.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        check(ret, || format!("utimensat {}", name.to_string_lossy())).map(drop)
+    }
+
+    /// The path of the entry `name` through this descriptor (`/proc/self/fd/N/name`), for
+    /// calls that only take paths: the lookup starts at this very directory, wherever it
+    /// is now, and only `name` is resolved below it.
+    pub fn entry_path(&self, name: &OsStr) -> PathBuf {
+        Path::new(&format!("/proc/self/fd/{}", self.fd.as_raw_fd())).join(name)
+    }
+
+    /// Sets the extended attribute `xattr` on the entry `name` itself.
+    pub fn set_xattr(&self, name: &OsStr, xattr: &str, value: &[u8]) -> SysResult<()> {
+        let path = self.entry_path(name);
+        let c = c_name("lsetxattr", path.as_os_str())?;
+        let n = c_name("lsetxattr", OsStr::new(xattr))?;
+        // SAFETY: `c` and `n` are valid C strings and `value` a live slice passed with its
+        // length; the kernel only reads them.
+        let ret = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        check(ret, || {
+            format!("lsetxattr {} {xattr}", name.to_string_lossy())
+        })
+        .map(drop)
+    }
 }
 
 /// The effective user id of this process.
@@ -117,18 +397,17 @@ mod tests {
 
     #[test]
     fn mknod_makes_a_real_char_device_and_fifo() {
-        if effective_uid() != 0 {
-            return;
-        }
+        assert_eq!(effective_uid(), 0, "needs root: run the suite with sudo");
         let d = scratch("mknod");
-        let dev = d.join("null");
-        mknod(&dev, NodeKind::Char, 0o666, 1, 3).unwrap();
-        let md = std::fs::symlink_metadata(&dev).unwrap();
+        let dir = DirFd::open(&d).unwrap();
+        dir.mknod(OsStr::new("null"), NodeKind::Char, 0o666, 1, 3)
+            .unwrap();
+        let md = std::fs::symlink_metadata(d.join("null")).unwrap();
         assert!(md.file_type().is_char_device());
         assert_eq!(md.rdev(), libc::makedev(1, 3));
-        let fifo = d.join("fifo");
-        mknod(&fifo, NodeKind::Fifo, 0o600, 0, 0).unwrap();
-        assert!(std::fs::symlink_metadata(&fifo)
+        dir.mknod(OsStr::new("fifo"), NodeKind::Fifo, 0o600, 0, 0)
+            .unwrap();
+        assert!(std::fs::symlink_metadata(d.join("fifo"))
             .unwrap()
             .file_type()
             .is_fifo());
@@ -136,22 +415,35 @@ mod tests {
     }
 
     #[test]
-    fn lchown_and_times_apply_to_the_symlink_itself() {
-        if effective_uid() != 0 {
-            return;
-        }
-        let d = scratch("lchown");
-        let target = d.join("target");
-        std::fs::write(&target, b"x").unwrap();
-        let link = d.join("link");
-        std::os::unix::fs::symlink(&target, &link).unwrap();
-        lchown(&link, 1234, 4321).unwrap();
-        set_times_nofollow(&link, 1_000_000, 0).unwrap();
-        let lmd = std::fs::symlink_metadata(&link).unwrap();
+    fn operations_apply_to_the_entry_itself_never_through_a_symlink() {
+        assert_eq!(effective_uid(), 0, "needs root: run the suite with sudo");
+        let d = scratch("at");
+        let outside = scratch("at-outside");
+        std::fs::write(outside.join("victim"), b"x").unwrap();
+        let dir = DirFd::open(&d).unwrap();
+        let link = OsStr::new("link");
+        dir.symlink(link, outside.as_os_str()).unwrap();
+        dir.chown(link, 1234, 4321).unwrap();
+        dir.set_times(link, 1_000_000, 0).unwrap();
+        let lmd = std::fs::symlink_metadata(d.join("link")).unwrap();
         assert_eq!((lmd.uid(), lmd.gid(), lmd.mtime()), (1234, 4321, 1_000_000));
-        let tmd = std::fs::metadata(&target).unwrap();
+        let tmd = std::fs::metadata(&outside).unwrap();
         assert_eq!(tmd.uid(), 0);
         assert_ne!(tmd.mtime(), 1_000_000);
+        assert_eq!(dir.read_link(link).unwrap(), outside.as_os_str());
+        assert_eq!(dir.stat(link).unwrap().unwrap().kind, FileKind::Symlink);
+        // Never entered, chmodded or created through.
+        assert_eq!(dir.open_dir(link).unwrap_err().errno(), Some(libc::ELOOP));
+        assert!(dir.chmod(link, 0o777).is_err());
+        assert!(dir.create_file(link, 0o600).is_err());
+        dir.remove(link, false).unwrap();
+        assert!(outside.join("victim").exists());
+        dir.mkdir(OsStr::new("sub"), 0o755).unwrap();
+        let sub = dir.open_dir(OsStr::new("sub")).unwrap();
+        drop(sub.create_file(OsStr::new("f"), 0o600).unwrap());
+        assert_eq!(sub.entries().unwrap(), [OsString::from("f")]);
+        assert!(dir.stat(OsStr::new("missing")).unwrap().is_none());
         std::fs::remove_dir_all(&d).unwrap();
+        std::fs::remove_dir_all(&outside).unwrap();
     }
 }

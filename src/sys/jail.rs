@@ -177,6 +177,15 @@ impl Jail {
     /// Runs in the forked child: builds the namespace and pivots into it. Only system calls
     /// on data prepared by the parent; no allocation on the success path.
     pub(crate) fn enter(&self) -> io::Result<()> {
+        // The server's umask (077) would make the jail's directories unreadable to the
+        // account QEMU runs as; QEMU gets it back.
+        let umask = super::fs::set_umask(0o022);
+        let entered = self.build_and_pivot();
+        super::fs::set_umask(umask);
+        entered
+    }
+
+    fn build_and_pivot(&self) -> io::Result<()> {
         fn ok(ret: libc::c_int) -> io::Result<()> {
             if ret < 0 {
                 Err(io::Error::last_os_error())

@@ -266,14 +266,16 @@ mod tests {
 
     #[test]
     fn jailed_child_is_unprivileged_and_sees_only_its_binds() {
-        assert_eq!(
+        assert!(
             super::super::fs::is_root(),
-            true,
             "needs root (mount namespaces, setuid): run the suite with sudo"
         );
+        // As in the server, whose umask must not leak into the jail's directories.
+        let umask = super::super::fs::set_umask(0o077);
         let root = std::env::temp_dir().join(format!("aenv-jail-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
         std::fs::write(root.join("host-file"), b"x").unwrap();
+        super::super::fs::set_umask(umask);
         let (out, _) = run_jailed(
             &root,
             "id -u; id -G; ls -a /; grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status \
