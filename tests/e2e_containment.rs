@@ -1,5 +1,6 @@
 //! End-to-end containment against the real server: a 100-character state dir works (QEMU's
-//! sockets live elsewhere); a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
+//! sockets live elsewhere); QEMU runs as agentenv-vm in a mount namespace without the state
+//! dir; a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
 //! start and the first one's sandbox keeps working).
 //! One server and few cold boots serve every assertion, to keep TCG boots few.
 
@@ -21,6 +22,7 @@ fn hostile_hosts_and_guests_are_contained() {
     server.spawn();
     let id = sandbox_from_a_template(&server);
     qemu_gets_an_empty_environment(&id);
+    qemu_is_unprivileged_and_sees_only_its_own_files(&server, &id);
     console_flood_is_bounded(&server, &id);
     second_server_is_refused(&server, &id);
 }
@@ -31,6 +33,141 @@ fn qemu_gets_an_empty_environment(id: &str) {
     assert_eq!(pids.len(), 1, "{pids:?}");
     let environ = std::fs::read(format!("/proc/{}/environ", pids[0])).unwrap();
     assert!(environ.is_empty(), "{}", String::from_utf8_lossy(&environ));
+}
+
+/// QEMU runs as agentenv-vm with no groups, no capabilities and no_new_privs, in a mount
+/// namespace of its own without the state dir: from inside it, as that account (and even as
+/// root), another sandbox's disk and the state dir cannot be opened; outside it the account
+/// cannot open them either.
+fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "t", "timeout": 600})),
+    );
+    assert_eq!(code, 201, "{v}");
+    let other = v["sandboxID"].as_str().unwrap().to_string();
+    let pids = qemu_processes_with(&format!("sandboxes/{id}"));
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let pid = pids[0];
+    let uid = host("id", &["-u", "agentenv-vm"]).trim().to_string();
+    let gid = host("id", &["-g", "agentenv-vm"]).trim().to_string();
+    assert!(
+        !uid.is_empty() && uid != "0",
+        "no agentenv-vm account: run scripts/setup.sh"
+    );
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap_or_else(|| panic!("no {name} in {status}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(field("Uid"), [uid.as_str(); 4], "{status}");
+    assert_eq!(field("Gid"), [gid.as_str(); 4], "{status}");
+    assert!(field("Groups").is_empty(), "{status}");
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {
+        assert_eq!(field(caps), ["0000000000000000"], "{caps}: {status}");
+    }
+    assert_eq!(field("NoNewPrivs"), ["1"], "{status}");
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).unwrap();
+    assert_ne!(
+        ns(&pid.to_string()),
+        ns("self"),
+        "QEMU shares the host's mount namespace"
+    );
+
+    let other_disk = std::fs::read_dir(s.state_dir.join("sandboxes").join(&other))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "qcow2"))
+        .expect("the other sandbox has a qcow2 disk");
+    let state_dir = s.state_dir.to_str().unwrap();
+    let other_disk = other_disk.to_str().unwrap();
+    // Inside QEMU's namespace, as its account, then as root: neither exists there.
+    let inside = |as_vm: bool, args: &[&str]| {
+        let mut cmd = Command::new("nsenter");
+        cmd.args(["-t", &pid.to_string(), "-m", "--"]);
+        if as_vm {
+            cmd.args([
+                "setpriv",
+                "--reuid",
+                &uid,
+                "--regid",
+                &gid,
+                "--clear-groups",
+                "--",
+            ]);
+        }
+        let out = cmd.args(args).output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stderr), text(&out.stdout))
+    };
+    for as_vm in [true, false] {
+        for path in [other_disk, state_dir] {
+            let (ok, err, _) = inside(as_vm, &["cat", path]);
+            assert!(
+                !ok && err.contains("No such file"),
+                "as_vm={as_vm} {path}: {err}"
+            );
+        }
+    }
+    // All its namespace holds: system files, a few devices, its kernel, initramfs and RAM
+    // file; nothing writable.
+    let (ok, err, listed) = inside(false, &["ls", "-A", "/", "/dev", "/vm"]);
+    assert!(ok, "{err}");
+    // The /lib* links vary between distributions.
+    let listed: Vec<&str> = listed
+        .split_whitespace()
+        .filter(|n| !n.starts_with("lib"))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            "/:",
+            "dev",
+            "etc",
+            "usr",
+            "vm",
+            "/dev:",
+            "null",
+            "random",
+            "urandom",
+            "zero",
+            "/vm:",
+            "initramfs",
+            "kernel",
+            "memory"
+        ],
+        "{listed:?}"
+    );
+    for path in ["/usr/x", "/x", "/vm/x"] {
+        let (ok, err, _) = inside(true, &["touch", path]);
+        assert!(!ok, "{path}: {err}");
+    }
+    // Outside the namespace the account is kept out of the state dir by its mode.
+    let outside = Command::new("setpriv")
+        .args([
+            "--reuid",
+            &uid,
+            "--regid",
+            &gid,
+            "--clear-groups",
+            "--",
+            "cat",
+            other_disk,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !outside.status.success()
+            && String::from_utf8_lossy(&outside.stderr).contains("Permission denied"),
+        "{outside:?}"
+    );
+    let (code, v) = s.call("DELETE", &format!("/sandboxes/{other}"), None);
+    assert_eq!(code, 204, "{v}");
 }
 
 /// `yes … > /dev/console` in a guest: the console log rotates at 2 MiB and keeps one

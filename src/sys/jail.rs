@@ -113,11 +113,18 @@ impl Jail {
         Ok(())
     }
 
-    /// Makes the host path `path` visible at the same path inside the jail: a directory or
-    /// file is bind-mounted (with `access`), a symbolic link is recreated as the same link
-    /// (bind what it points to separately). Missing paths are an error.
+    /// Makes the host path `path` (absolute, no `..`) visible at the same path inside the
+    /// jail: a directory or file is bind-mounted (with `access`), a symbolic link is
+    /// recreated as the same link (bind what it points to separately). Missing paths are an
+    /// error.
     pub fn bind(&mut self, path: &Path, access: Access) -> SysResult<()> {
-        let parts = plain_components(path)?;
+        self.bind_as(path, path, access)
+    }
+
+    /// Like [`Jail::bind`], but at the path `target` inside the jail.
+    pub fn bind_as(&mut self, path: &Path, target: &Path, access: Access) -> SysResult<()> {
+        plain_components(path)?;
+        let parts = plain_components(target)?;
         let Some((_, parents)) = parts.split_last() else {
             return Err(SysError::from_errno(
                 "cannot bind / into a jail",

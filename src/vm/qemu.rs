@@ -65,6 +65,8 @@ pub const VM_USER: &str = "agentenv-vm";
 /// Host paths bound read-only into every QEMU's mount namespace when present: the binary,
 /// its libraries and firmware (links such as `/lib -> usr/lib` are recreated as links).
 const JAIL_SYSTEM_PATHS: &[&str] = &["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache"];
+/// Where the guest kernel, initramfs and RAM file appear in QEMU's mount namespace.
+const JAIL_VM_DIR: &str = "/vm";
 /// Device nodes QEMU may open.
 const JAIL_DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"];
 /// The root disk's top node name prefix: nodes are `layer0`, `layer1`, ... in the order
@@ -367,6 +369,9 @@ fn build_argv(
     let mut argv: Vec<OsString> = Vec::with_capacity(48);
     let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    // QEMU opens no path of the state dir any more; the run dir as the guest's name still
+    // tells an operator (and `ps`) whose VM a process is.
+    push(&["-name", &format!("guest={}", opt_path(&spec.run_dir)?)]);
     push(&["-M", &machine, "-accel", accel, "-cpu", cpu]);
     push(&["-smp", &spec.cpu_count.to_string()]);
     push(&["-m", &format!("{}M", spec.memory_mb)]);
@@ -564,12 +569,20 @@ fn prepare_memory_file(
     std::fs::canonicalize(path).map_err(io)
 }
 
+/// The host files a QEMU maps by path, bound into its namespace under [`JAIL_VM_DIR`].
+struct HostFiles {
+    kernel: PathBuf,
+    initramfs: PathBuf,
+    memory: Option<PathBuf>,
+}
+
 /// QEMU's mount namespace (see the module docs), rooted on `root` (the VM's socket dir:
 /// the host keeps its sockets, QEMU sees an empty tmpfs there).
 fn plan_jail(
     root: &Path,
     binary: &Path,
-    spec: &VmSpec,
+    accel: Accel,
+    host: &HostFiles,
     memory: Option<&MemoryFile>,
 ) -> Result<Jail, VmError> {
     let err = |e: crate::sys::SysError| VmError::io("cannot plan QEMU's mount namespace", e.source);
@@ -587,19 +600,23 @@ fn plan_jail(
         jail.bind_if_present(Path::new(path), Access::Device)
             .map_err(err)?;
     }
-    if spec.accel == Accel::Kvm {
+    if accel == Accel::Kvm {
         jail.bind(Path::new("/dev/kvm"), Access::Device)
             .map_err(err)?;
     }
-    jail.bind(&spec.kernel, Access::ReadOnly).map_err(err)?;
-    jail.bind(&spec.initramfs, Access::ReadOnly).map_err(err)?;
-    if let Some(memory) = memory {
+    let vm = Path::new(JAIL_VM_DIR);
+    jail.bind_as(&host.kernel, &vm.join("kernel"), Access::ReadOnly)
+        .map_err(err)?;
+    jail.bind_as(&host.initramfs, &vm.join("initramfs"), Access::ReadOnly)
+        .map_err(err)?;
+    if let (Some(path), Some(memory)) = (&host.memory, memory) {
         let access = if memory.shared {
             Access::ReadWrite
         } else {
             Access::ReadOnly
         };
-        jail.bind(&memory.path, access).map_err(err)?;
+        jail.bind_as(path, &vm.join("memory"), access)
+            .map_err(err)?;
     }
     Ok(jail)
 }
@@ -753,12 +770,22 @@ impl Vm {
             }),
             None => None,
         };
+        // In QEMU's namespace they are at fixed paths under JAIL_VM_DIR.
         let (kernel, initramfs) = (spec.kernel.clone(), spec.initramfs.clone());
-        spec.kernel = real(&kernel)?;
-        spec.initramfs = real(&initramfs)?;
+        let host = HostFiles {
+            kernel: real(&kernel)?,
+            initramfs: real(&initramfs)?,
+            memory: memory.as_ref().map(|m| m.path.clone()),
+        };
+        spec.kernel = Path::new(JAIL_VM_DIR).join("kernel");
+        spec.initramfs = Path::new(JAIL_VM_DIR).join("initramfs");
+        let jailed_memory = memory.as_ref().map(|m| MemoryFile {
+            path: Path::new(JAIL_VM_DIR).join("memory"),
+            shared: m.shared,
+        });
         let launch = Launch {
             cmdline: Some(&cmdline),
-            memory: memory.as_ref(),
+            memory: jailed_memory.as_ref(),
             ..launch
         };
 
@@ -787,7 +814,7 @@ impl Vm {
             fds.incoming = Some(passed.pass(file));
         }
         let argv = build_argv(&spec, &fds, &launch)?;
-        let jail = plan_jail(&sockets.path, &binary, &spec, memory.as_ref())?;
+        let jail = plan_jail(&sockets.path, &binary, spec.accel, &host, memory.as_ref())?;
 
         let log = OpenOptions::new()
             .create(true)
@@ -841,7 +868,7 @@ impl Vm {
             spec.accel.name(),
             spec.cpu_count,
             spec.memory_mb,
-            spec.kernel.display(),
+            kernel.display(),
             spec.run_dir.display(),
             launch.incoming != Incoming::None,
             started.elapsed().as_millis()
@@ -1153,6 +1180,7 @@ mod tests {
         for flag in ["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"] {
             assert!(a.iter().any(|x| x == flag), "{flag}");
         }
+        assert_eq!(value(&a, "-name"), "guest=/run/agentenv/sb1");
         assert_eq!(value(&a, "-smp"), "2");
         assert_eq!(value(&a, "-m"), "512M");
         assert_eq!(value(&a, "-object"), "memory-backend-ram,id=ram,size=512M");
