@@ -261,17 +261,8 @@ fn second_server_is_refused(first: &Server, id: &str) {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("a second server kept running next to the first");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status =
+        wait_exit(&mut child, deadline).expect("a second server kept running next to the first");
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(!status.success(), "{stderr}");

@@ -117,20 +117,12 @@ fn run_schemathesis(s: &Server, work: &Path, key: Option<&str>) -> String {
     }
     let mut child = cmd.spawn().expect("start schemathesis");
     let deadline = Instant::now() + Duration::from_secs(RUN_SECS + 120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "schemathesis ran past its budget:\n{}",
-                std::fs::read_to_string(&out_path).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = wait_exit(&mut child, deadline).unwrap_or_else(|| {
+        panic!(
+            "schemathesis ran past its budget:\n{}",
+            std::fs::read_to_string(&out_path).unwrap_or_default()
+        )
+    });
     let output = std::fs::read_to_string(&out_path).unwrap_or_default();
     if !status.success() {
         eprintln!("schemathesis exited with {status}:\n{output}");

@@ -8,18 +8,8 @@ mod common;
 
 use common::extension::Extension;
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-fn sh(s: &Server, id: &str, script: &str) -> String {
-    let v = s.exec(id, "sh", &["-c", script]);
-    assert_eq!(v["exitCode"], 0, "{script}: {v}");
-    v["stdout"].as_str().unwrap().to_string()
-}
-
-fn id_of(v: &Value) -> String {
-    v["sandboxID"].as_str().unwrap().to_string()
-}
 
 #[test]
 fn lifecycle_end_to_end() {

@@ -306,16 +306,6 @@ fn hostile_images_get_a_400_naming_the_entry_and_touch_nothing_outside_their_roo
     assert!(staging.is_empty(), "left behind: {staging:?}");
 }
 
-fn sh(s: &Server, id: &str, script: &str) -> String {
-    let v = s.exec(id, "sh", &["-c", script]);
-    assert_eq!(v["exitCode"], 0, "{script}: {v}");
-    v["stdout"].as_str().unwrap().to_string()
-}
-
-fn id_of(v: &Value) -> String {
-    v["sandboxID"].as_str().unwrap().to_string()
-}
-
 /// The built-in base image's layer plus one with a setuid file and a device node.
 fn base_plus_privileged_layer(dir: &Path) -> String {
     let base = assets_dir().join("base-image");

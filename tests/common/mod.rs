@@ -394,3 +394,30 @@ pub fn build_template(s: &Server, name: &str) {
     });
     assert!(ready, "template {name} not ready:\n{}", s.log());
 }
+
+/// Runs `sh -c script` in sandbox `id` through the API; asserts exit 0, returns stdout.
+pub fn sh(s: &Server, id: &str, script: &str) -> String {
+    let v = s.exec(id, "sh", &["-c", script]);
+    assert_eq!(v["exitCode"], 0, "{script}: {v}");
+    v["stdout"].as_str().unwrap().to_string()
+}
+
+/// The `sandboxID` of a create/resume answer.
+pub fn id_of(v: &Value) -> String {
+    v["sandboxID"].as_str().unwrap().to_string()
+}
+
+/// Waits for `child` to exit until `deadline`; past it, kills and reaps it and returns None.
+pub fn wait_exit(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
