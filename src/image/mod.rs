@@ -560,6 +560,14 @@ mod tests {
         crate::sys::files::effective_uid() == 0
     }
 
+    /// Root-only tests fail with a reason instead of passing without running.
+    fn require_root() {
+        assert!(
+            is_root(),
+            "needs root (chown, device nodes, mounts): run the suite with sudo"
+        );
+    }
+
     fn write_image(layout: &Path, tag: &str, layers: Vec<LayerBlob>) -> Descriptor {
         let mut w = LayoutWriter::create(layout).unwrap();
         let spec = ImageSpec {
@@ -609,9 +617,7 @@ mod tests {
 
     #[test]
     fn two_layer_image_builds_an_ext4_with_the_whiteout_applied_and_is_cached() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let t = TempDir::new("two-layer");
         let layout_dir = t.path().join("layout");
         let manifest = two_layer_image(&layout_dir);
@@ -653,9 +659,7 @@ mod tests {
     #[test]
     fn setuid_files_capabilities_and_devices_are_in_the_image_with_nothing_privileged_on_the_host()
     {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let t = TempDir::new("fixups");
         let layout_dir = t.path().join("layout");
         let mut l1 = LayerBuilder::new();
@@ -738,9 +742,7 @@ mod tests {
 
     #[test]
     fn concurrent_callers_build_once() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let t = TempDir::new("concurrent");
         let layout_dir = t.path().join("layout");
         two_layer_image(&layout_dir);
@@ -763,9 +765,7 @@ mod tests {
 
     #[test]
     fn tampered_blob_is_refused_and_nothing_is_cached() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let t = TempDir::new("tamper");
         let layout_dir = t.path().join("layout");
         let mut l1 = LayerBuilder::new();
@@ -961,9 +961,7 @@ mod tests {
 
     #[test]
     fn too_small_names_the_size_needed_and_caches_nothing() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let t = TempDir::new("small");
         let layout_dir = t.path().join("layout");
         // Incompressible-ish data: mkfs stores zero blocks sparsely.
@@ -1011,9 +1009,11 @@ mod tests {
     #[test]
     fn busybox_base_image_builds_and_boots_a_shell_tree() {
         let busybox = Path::new("/bin/busybox");
-        if !is_root() || !busybox.is_file() {
-            return;
-        }
+        require_root();
+        assert!(
+            busybox.is_file(),
+            "needs /bin/busybox: run scripts/setup.sh"
+        );
         let t = TempDir::new("busybox");
         let layout_dir = t.path().join("base");
         let started = Instant::now();

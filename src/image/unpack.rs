@@ -824,6 +824,14 @@ mod tests {
         files::effective_uid() == 0
     }
 
+    /// Root-only tests fail with a reason instead of passing without running.
+    fn require_root() {
+        assert!(
+            is_root(),
+            "needs root (chown, device nodes, mounts): run the suite with sudo"
+        );
+    }
+
     /// Applies `layers` to `<tmp>/root`; returns the temp dir and the result.
     fn apply(name: &str, layers: Vec<LayerBuilder>) -> (TempDir, PathBuf, Result<(), ImageError>) {
         let (t, root, result) = apply_within(name, layers, Budget::for_disk(1024));
@@ -885,9 +893,7 @@ mod tests {
 
     #[test]
     fn whiteout_removes_a_lower_file() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l1 = LayerBuilder::new();
         l1.dir("etc", 0o755)
             .file("etc/a", 0o644, b"a")
@@ -907,9 +913,7 @@ mod tests {
 
     #[test]
     fn opaque_dir_hides_lower_contents_but_keeps_this_layers() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l1 = LayerBuilder::new();
         l1.dir("d", 0o755)
             .file("d/old", 0o644, b"old")
@@ -935,9 +939,7 @@ mod tests {
 
     #[test]
     fn dotdot_escape_is_refused() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l = LayerBuilder::new();
         l.raw(raw_header(tar::EntryType::Regular), "a/../../escaped", b"x");
         let (t, _root, r) = apply("dotdot", vec![l]);
@@ -958,9 +960,7 @@ mod tests {
 
     #[test]
     fn absolute_symlink_is_never_followed_out_of_the_root() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let outside = TempDir::new("outside");
         let target = outside.path().display().to_string();
         let mut l1 = LayerBuilder::new();
@@ -991,9 +991,7 @@ mod tests {
 
     #[test]
     fn symlinked_parent_pointing_outside_is_refused() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l = LayerBuilder::new();
         l.dir("a", 0o755)
             .symlink("a/up", "../..")
@@ -1024,9 +1022,7 @@ mod tests {
 
     #[test]
     fn hardlink_replaces_an_existing_file_and_shares_the_inode() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l1 = LayerBuilder::new();
         l1.file("x", 0o644, b"old x")
             .file("y", 0o644, b"y contents");
@@ -1045,9 +1041,7 @@ mod tests {
 
     #[test]
     fn device_nodes_and_setuid_bits_stay_off_the_host_and_become_fixups() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l = LayerBuilder::new();
         l.dir("dev", 0o755)
             .char_device("dev/null", 0o666, 1, 3)
@@ -1099,9 +1093,7 @@ mod tests {
 
     #[test]
     fn whiteouts_naming_dot_or_dotdot_are_refused_and_touch_nothing() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         for name in [".wh...", ".wh..", ".wh."] {
             let t = TempDir::new("wh-dots");
             // A sibling staging tree that `<root>/..` would have reached.
@@ -1153,9 +1145,7 @@ mod tests {
 
     #[test]
     fn budget_stops_a_layer_that_expands_past_the_disk() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         // 2 MiB of zeros compress to almost nothing but are 2 MiB unpacked.
         let mut l = LayerBuilder::new();
         l.file("small", 0o644, b"ok")
@@ -1203,9 +1193,7 @@ mod tests {
 
     #[test]
     fn gnu_sparse_files_stay_sparse() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let real_size: u64 = 64 << 30;
         let mut l = LayerBuilder::new();
         l.sparse(
@@ -1230,9 +1218,7 @@ mod tests {
 
     #[test]
     fn file_and_directory_replace_each_other() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l1 = LayerBuilder::new();
         l1.dir("p", 0o755)
             .file("p/child", 0o644, b"c")
@@ -1252,9 +1238,7 @@ mod tests {
 
     #[test]
     fn ownership_and_mtime_are_kept_and_setuid_is_a_fixup() {
-        if !is_root() {
-            return;
-        }
+        require_root();
         let mut l = LayerBuilder::new();
         l.dir("bin", 0o755)
             .file_owned("bin/su", 0o4755, 1000, 2000, b"su")
