@@ -76,6 +76,8 @@ pub struct AdmissionConfig {
 pub struct TemplatesConfig {
     pub max_concurrent_builds: u32,
     pub start_cmd_timeout_secs: u64,
+    /// Pre-spawned QEMU processes kept ready per built template (0 = none).
+    pub standby_per_template: u32,
 }
 
 /// `[custom_extension]` (custom-extension.md §1). `url` unset, empty or whitespace-only
@@ -590,6 +592,12 @@ impl Config {
             return invalid(
                 "templates.max_concurrent_builds",
                 "must be at least 1".into(),
+            );
+        }
+        if self.templates.standby_per_template > 16 {
+            return invalid(
+                "templates.standby_per_template",
+                "must be at most 16".into(),
             );
         }
         if !(1..=86_400).contains(&self.templates.start_cmd_timeout_secs) {

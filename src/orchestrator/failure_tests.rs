@@ -22,29 +22,29 @@ use std::time::{Duration, Instant, SystemTime};
 const SLOTS: u32 = 8;
 
 /// A registry and a launcher over fake sides, in a private temp state dir.
-struct Rig {
-    state_dir: PathBuf,
-    registry: Arc<Registry>,
-    launcher: Arc<Launcher>,
-    net: Arc<FakeNet>,
-    hooks: Arc<FakeHooks>,
-    vms: Arc<FakeMachines>,
-    admission: Arc<Admission>,
+pub(super) struct Rig {
+    pub(super) state_dir: PathBuf,
+    pub(super) registry: Arc<Registry>,
+    pub(super) launcher: Arc<Launcher>,
+    pub(super) net: Arc<FakeNet>,
+    pub(super) hooks: Arc<FakeHooks>,
+    pub(super) vms: Arc<FakeMachines>,
+    pub(super) admission: Arc<Admission>,
 }
 
 impl Rig {
-    fn new() -> Rig {
+    pub(super) fn new() -> Rig {
         Rig::with(Limits {
             memory_mb: 4096,
             vcpus: 16,
         })
     }
 
-    fn with(limits: Limits) -> Rig {
+    pub(super) fn with(limits: Limits) -> Rig {
         Rig::build(limits, |_| {})
     }
 
-    fn build(limits: Limits, adjust: impl FnOnce(&mut Launcher)) -> Rig {
+    pub(super) fn build(limits: Limits, adjust: impl FnOnce(&mut Launcher)) -> Rig {
         let state_dir = std::env::temp_dir().join(format!("aenv-orch-{}", crate::util::new_id()));
         let netns_dir = state_dir.join("netns");
         std::fs::create_dir_all(&netns_dir).unwrap();
@@ -86,12 +86,12 @@ impl Rig {
         }
     }
 
-    fn script(&self, script: Script) {
+    pub(super) fn script(&self, script: Script) {
         *self.vms.script.lock() = script;
     }
 
     /// A fresh start of sandbox `id` in a new run dir with its disk.
-    fn request(&self, id: &str, internet_access: bool) -> StartRequest {
+    pub(super) fn request(&self, id: &str, internet_access: bool) -> StartRequest {
         let settings = super::fakes::settings();
         let run_dir = RunDir::create(self.registry.dir(id)).unwrap();
         std::fs::write(run_dir.path().join("disk.qcow2"), b"disk").unwrap();
@@ -108,7 +108,7 @@ impl Rig {
     }
 
     /// Starts and registers a running sandbox, as a create does.
-    fn running(&self, id: &str) -> Arc<SandboxEntry> {
+    pub(super) fn running(&self, id: &str) -> Arc<SandboxEntry> {
         let started = start::start(&self.launcher, self.request(id, true)).unwrap();
         let info = SandboxInfo::new(
             id.to_string(),
@@ -128,7 +128,7 @@ impl Rig {
 
     /// Runs a start that must fail: afterwards the extension has seen exactly `hooks`,
     /// the run dir is gone and nothing is held. Returns the error.
-    fn failed_start(&self, req: StartRequest, hooks: &[&str]) -> OrchError {
+    pub(super) fn failed_start(&self, req: StartRequest, hooks: &[&str]) -> OrchError {
         let dir = req.run_dir.path().to_path_buf();
         let e = start::start(&self.launcher, req)
             .err()
@@ -140,7 +140,7 @@ impl Rig {
     }
 
     /// Asserts that no reservation, slot, open instance or VM is left.
-    fn assert_nothing_held(&self) {
+    pub(super) fn assert_nothing_held(&self) {
         assert_eq!(self.admission.in_use(), (0, 0), "reservations given back");
         assert_eq!(self.net.slots.stats().in_use, 0, "slots given back");
         assert_eq!(
@@ -166,7 +166,7 @@ impl Drop for Rig {
 }
 
 /// Waits (bounded) until `f` holds.
-fn eventually(what: &str, f: impl Fn() -> bool) {
+pub(super) fn eventually(what: &str, f: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !f() {
         assert!(Instant::now() < deadline, "never: {what}");
@@ -263,6 +263,7 @@ fn restore_request(rig: &Rig, id: &str) -> StartRequest {
     req.kind = StartKind::Restore {
         record: Box::new(super::fakes::capture()),
         disk: req.run_dir.path().join("disk.qcow2"),
+        standby: None,
     };
     req
 }

@@ -202,6 +202,8 @@ pub(crate) mod sides {
         pub hostile_agent: bool,
         /// A pause fails and the VM runs on.
         pub fail_pause: bool,
+        /// Loading the state into a standby fails.
+        pub fail_load: bool,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -212,6 +214,10 @@ pub(crate) mod sides {
         pub alive: Arc<AtomicUsize>,
         pub boots: AtomicUsize,
         pub pauses: Arc<AtomicUsize>,
+        /// Standbys started.
+        pub standbys: AtomicUsize,
+        /// Set: every VM made so far reports that it exited.
+        pub died: Arc<AtomicBool>,
     }
 
     impl FakeMachines {
@@ -227,6 +233,7 @@ pub(crate) mod sides {
                 run_dir: run_dir.to_path_buf(),
                 alive: self.alive.clone(),
                 pauses: self.pauses.clone(),
+                died: self.died.clone(),
                 quit: false,
             }))
         }
@@ -243,6 +250,15 @@ pub(crate) mod sides {
         ) -> Result<Box<dyn Machine>, VmError> {
             self.machine(&spec.run_dir)
         }
+        fn standby(
+            &self,
+            _: &CaptureRecord,
+            spec: crate::vm::RestoreSpec,
+        ) -> Result<Box<dyn Machine>, VmError> {
+            let vm = self.machine(&spec.run_dir)?;
+            self.standbys.fetch_add(1, Ordering::SeqCst);
+            Ok(vm)
+        }
     }
 
     struct FakeMachine {
@@ -250,6 +266,7 @@ pub(crate) mod sides {
         run_dir: PathBuf,
         alive: Arc<AtomicUsize>,
         pauses: Arc<AtomicUsize>,
+        died: Arc<AtomicBool>,
         /// Paused (captured and quit).
         quit: bool,
     }
@@ -276,6 +293,9 @@ pub(crate) mod sides {
             String::new()
         }
         fn exited(&mut self) -> Option<String> {
+            if self.died.load(Ordering::SeqCst) {
+                return Some("signal: 9 (SIGKILL)".into());
+            }
             self.quit.then(|| "exit status: 0".to_string())
         }
         fn kill(self: Box<Self>) {}
@@ -299,6 +319,12 @@ pub(crate) mod sides {
             Ok((capture_into(dir, &self.run_dir)?, CaptureStats::default()))
         }
         fn resume_vcpus(&mut self) -> Result<(), VmError> {
+            Ok(())
+        }
+        fn load_state(&mut self, _: &CaptureRecord) -> Result<(), VmError> {
+            if self.script.fail_load {
+                return Err(VmError::InvalidSpec("the fake state does not load".into()));
+            }
             Ok(())
         }
         fn disk_chain_depth(&mut self) -> Result<usize, VmError> {

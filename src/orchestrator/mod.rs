@@ -23,6 +23,9 @@ mod sandbox;
 mod settings;
 mod sides;
 mod snapshots;
+mod standby;
+#[cfg(test)]
+mod standby_tests;
 mod start;
 mod supervisor;
 mod templates;
@@ -152,12 +155,14 @@ impl Orchestrator {
             admission,
             accel,
         );
+        let launcher = Arc::new(launcher);
+        standby::StandbyPool::start(&launcher, sandboxes_dir.clone());
         let registry = Arc::new(Registry::new(sandboxes_dir, sandboxes));
         expiry::spawn(Arc::downgrade(&registry));
         let shared = Arc::new(Shared {
             config,
             registry,
-            launcher: Arc::new(launcher),
+            launcher,
             images,
             snapshots,
             builds,
@@ -342,6 +347,8 @@ impl Orchestrator {
                     build.status.as_str()
                 )));
             }
+            let launcher = &self.shared.launcher;
+            launcher.standby.forget(&build.id, &*launcher.net);
             self.shared.snapshots.delete(&build.id);
             self.shared.builds.remove(&build.id);
             return Ok(());
@@ -396,11 +403,17 @@ impl Orchestrator {
             image_env: snap.settings.image_env.clone(),
             custom_extension_params: params,
         };
+        // A template built with POST /templates keeps standbys from its first use on.
+        let standby = snap.template.as_ref().and_then(|_| {
+            launcher.standby.want(&snap.id, &snap.capture, resources);
+            launcher.standby.claim(&snap.id, &*launcher.net)
+        });
         let info = operations::clone_from_capture(
             &self.shared.registry,
             launcher,
             &snap.capture,
             settings,
+            standby,
         )?;
         self.shared.snapshots.note_spawn(&snap.id);
         Ok(info)
@@ -562,6 +575,7 @@ impl Orchestrator {
         );
         self.shared.operations.render(&mut out);
         self.shared.launcher.hooks.render_metrics(&mut out);
+        self.shared.launcher.standby.render_metrics(&mut out);
         let slots = self.shared.launcher.net.stats();
         metrics::render_state_gauge(
             &mut out,
@@ -599,9 +613,10 @@ impl Orchestrator {
     }
 }
 
-/// Pauses every running sandbox (stop reason `shutdown`), then final stop attempts and
-/// the network teardown.
+/// Discards the standbys, pauses every running sandbox (stop reason `shutdown`), then
+/// final stop attempts and the network teardown.
 fn shutdown_all(registry: &Arc<Registry>, launcher: &Launcher) {
+    launcher.standby.drain(&*launcher.net);
     let ids = registry.ids();
     log::info!("op=shutdown sandboxes={}", ids.len());
     let handles: Vec<_> = ids

@@ -9,6 +9,7 @@ use super::registry::Registry;
 use super::sandbox::{Call, Op, RuntimeHandle, SandboxEntry, SandboxInfo, SandboxState};
 use super::settings::SandboxSettings;
 use super::snapshots::{SnapshotRecord, Snapshots};
+use super::standby::Claimed;
 use super::start::{self, Launcher, StartKind, StartRequest, Started};
 use super::supervisor::{self, PauseOutcome, RunDir, Watch};
 use super::{ColdStart, Connected, OrchError};
@@ -342,6 +343,7 @@ fn restore_paused(
             kind: StartKind::Restore {
                 record: Box::new(capture),
                 disk: top.clone(),
+                standby: None,
             },
             resources,
             internet_access,
@@ -433,19 +435,28 @@ fn capture_running(
 
 /// A new sandbox from a capture (custom-extension.md §5.3, §5.8): its own disk over the
 /// capture's frozen layers, the start sequence with start-resume, restore, agent, record.
-/// Never a cold boot.
+/// Never a cold boot. With a claimed `standby` (of this capture's template), its id, run
+/// dir, disk, slot and waiting QEMU are the new sandbox's.
 pub(crate) fn clone_from_capture(
     registry: &Arc<Registry>,
     launcher: &Arc<Launcher>,
     capture: &CaptureRecord,
     settings: SandboxSettings,
+    standby: Option<Claimed>,
 ) -> Result<SandboxInfo, OrchError> {
     let started = Instant::now();
-    let id = crate::util::new_id();
-    let run_dir = RunDir::create(registry.dir(&id))?;
+    let from_standby = standby.is_some();
+    let (id, run_dir, top, prepared) = match standby {
+        Some(c) => (c.id, c.run_dir, c.disk, Some(Box::new(c.prepared))),
+        None => {
+            let id = crate::util::new_id();
+            let run_dir = RunDir::create(registry.dir(&id))?;
+            let top = vm::create_clone_disk(&capture.disk_layers, run_dir.path())
+                .map_err(|e| OrchError::Internal(e.to_string()))?;
+            (id, run_dir, top, None)
+        }
+    };
     let dir = run_dir.path().to_path_buf();
-    let top = vm::create_clone_disk(&capture.disk_layers, run_dir.path())
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
     let booted = start::start(
         launcher,
         StartRequest {
@@ -454,6 +465,7 @@ pub(crate) fn clone_from_capture(
             kind: StartKind::Restore {
                 record: Box::new(capture.clone()),
                 disk: top,
+                standby: prepared,
             },
             resources: settings.resources,
             internet_access: settings.internet_access,
@@ -465,7 +477,7 @@ pub(crate) fn clone_from_capture(
     let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
     register_running(registry, &dir, info.clone(), booted.runtime)?;
     log::info!(
-        "sandboxId={id} op=create_from_capture result=ok templateID={} ms={}",
+        "sandboxId={id} op=create_from_capture result=ok templateID={} standby={from_standby} ms={}",
         info.settings.template_id,
         started.elapsed().as_millis()
     );
@@ -502,7 +514,7 @@ pub(crate) fn fork(
                 timeout_secs: timeout_secs.unwrap_or(parent.timeout_secs),
                 ..parent.clone()
             };
-            clone_from_capture(registry, launcher, &capture, settings)
+            clone_from_capture(registry, launcher, &capture, settings, None)
         })
         .collect();
     // The children hold their own links to the frozen layers; the checkpoint can go.

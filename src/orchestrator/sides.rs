@@ -92,6 +92,13 @@ pub(crate) trait Machines: Send + Sync {
         record: &CaptureRecord,
         spec: vm::RestoreSpec,
     ) -> Result<Box<dyn Machine>, VmError>;
+    /// A QEMU process shaped for `record` that waits for its state (a standby):
+    /// [`Machine::load_state`] restores into it later. Its guest has not run.
+    fn standby(
+        &self,
+        record: &CaptureRecord,
+        spec: vm::RestoreSpec,
+    ) -> Result<Box<dyn Machine>, VmError>;
 }
 
 /// One running VM, owned by its supervisor thread.
@@ -113,6 +120,8 @@ pub(crate) trait Machine: Send {
         disk: DiskCapture,
     ) -> Result<(CaptureRecord, CaptureStats), VmError>;
     fn resume_vcpus(&mut self) -> Result<(), VmError>;
+    /// On a [`Machines::standby`] VM: loads `record`'s state; the vCPUs stay stopped.
+    fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError>;
     fn disk_chain_depth(&mut self) -> Result<usize, VmError>;
     fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError>;
 }
@@ -136,6 +145,14 @@ impl Machines for QemuMachines {
     ) -> Result<Box<dyn Machine>, VmError> {
         let (vm, _) = Vm::restore(record, spec)?;
         Ok(Box::new(vm))
+    }
+
+    fn standby(
+        &self,
+        record: &CaptureRecord,
+        spec: vm::RestoreSpec,
+    ) -> Result<Box<dyn Machine>, VmError> {
+        Ok(Box::new(Vm::spawn_standby(record, spec)?))
     }
 }
 
@@ -164,6 +181,11 @@ impl Machine for Vm {
     }
     fn resume_vcpus(&mut self) -> Result<(), VmError> {
         Vm::resume_vcpus(self)
+    }
+    fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError> {
+        let load_ms = Vm::load_incoming(self, record)?;
+        log::info!("vm op=load_state pid={} loadMs={load_ms}", self.pid());
+        Ok(())
     }
     fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
         Vm::disk_chain_depth(self)

@@ -16,10 +16,11 @@
 //!
 //! Disk preparation (before) and registration (after) are the callers'.
 
-use super::admission::Admission;
+use super::admission::{Admission, Reservation};
 use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
 use super::sides::{Extension, Machines, Network};
+use super::standby::{Prepared, StandbyPool};
 use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
@@ -45,6 +46,8 @@ pub(crate) struct Launcher {
     pub outbound: bool,
     /// Starts supervisor threads (a seam: tests make it fail).
     pub spawn: ThreadSpawner,
+    /// QEMU processes started ahead of creates from built templates.
+    pub standby: StandbyPool,
 }
 
 impl Launcher {
@@ -72,6 +75,7 @@ impl Launcher {
             kernel_args,
             outbound: config.network.outbound,
             spawn: supervisor::spawn_thread,
+            standby: StandbyPool::new(config.templates.standby_per_template),
         }
     }
 }
@@ -80,10 +84,12 @@ impl Launcher {
 pub(crate) enum StartKind {
     /// A fresh boot (start-fresh); with `memory_file` the guest's RAM is that file.
     Fresh { memory_file: Option<PathBuf> },
-    /// A restore of `record` onto the writable top layer `disk` (start-resume).
+    /// A restore of `record` onto the writable top layer `disk` (start-resume); with
+    /// `standby`, into a claimed standby's QEMU, slot and admission share.
     Restore {
         record: Box<CaptureRecord>,
         disk: PathBuf,
+        standby: Option<Box<Prepared>>,
     },
 }
 
@@ -128,25 +134,57 @@ fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
     }
 }
 
+/// Reserves a VM's memory and vCPUs. When admission is full, standbys give their shares
+/// back first: the standby pool never makes a start fail.
+fn reserve(launcher: &Launcher, resources: Resources) -> Result<Reservation, OrchError> {
+    loop {
+        match launcher
+            .admission
+            .reserve(resources.memory_mb, resources.cpu_count)
+        {
+            Ok(r) => return Ok(r),
+            Err(e) if !launcher.standby.evict_one(&*launcher.net) => return Err(e),
+            Err(_) => {}
+        }
+    }
+}
+
 /// Runs the start sequence (see the module doc). On every error nothing it made is left:
 /// no reservation, no slot, no open instance; the run dir goes when it was armed.
 pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Started, OrchError> {
     let StartRequest {
         id,
         run_dir,
-        kind,
+        mut kind,
         resources,
         internet_access,
         params,
         failed_reason,
         watch,
     } = req;
-    let reservation = launcher
-        .admission
-        .reserve(resources.memory_mb, resources.cpu_count)?;
-    let mut slot = launcher.net.acquire()?;
+    let standby = match &mut kind {
+        StartKind::Restore { standby, .. } => standby.take(),
+        StartKind::Fresh { .. } => None,
+    };
+    let (reservation, mut slot, prepared) = match standby {
+        Some(p) => {
+            let Prepared {
+                vm,
+                slot,
+                reservation,
+            } = *p;
+            (reservation, slot, Some(vm))
+        }
+        None => {
+            let reservation = reserve(launcher, resources)?;
+            (reservation, launcher.net.acquire()?, None)
+        }
+    };
     if launcher.outbound && !internet_access {
         if let Err(e) = slot.deny_outbound() {
+            if let Some(vm) = prepared {
+                vm.kill();
+            }
             launcher.net.release(slot);
             return Err(e.into());
         }
@@ -173,7 +211,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             });
             (instance, hooked)
         }
-        StartKind::Restore { record, disk } => {
+        StartKind::Restore { record, disk, .. } => {
             // The VM is prepared while the hook runs; the supervisor takes the hook's
             // outcome and undoes everything itself when it failed.
             let (hook_tx, hook_rx) = crossbeam_channel::bounded(1);
@@ -192,6 +230,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                         disk,
                         hook: hook_rx,
                         failed_reason,
+                        prepared,
                     },
                     resources,
                     reservation,

@@ -93,6 +93,9 @@ pub(crate) enum Launch {
         disk: PathBuf,
         hook: Receiver<HookOutcome>,
         failed_reason: StopReason,
+        /// A standby QEMU already started on `disk` in the slot (see [`super::standby`]):
+        /// only the state is loaded into it.
+        prepared: Option<Box<dyn Machine>>,
     },
 }
 
@@ -212,6 +215,8 @@ fn spawn_supervisor(
                     "sandboxId={} op=launch error=\"cannot start supervisor thread: {e}\"",
                     plan.id
                 );
+                // A prepared VM (a standby's) dies before its slot goes.
+                drop(plan.launch);
                 debts.stop(plan.instance, StopReason::StartFailed);
                 debts.release(plan.slot);
             }
@@ -387,6 +392,11 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             let memory = memory_file.map(|path| MemoryFile { path, shared: true });
             launcher.machines.boot(spec, memory)
         }
+        Launch::Restore {
+            prepared: Some(mut vm),
+            record,
+            ..
+        } => vm.load_state(&record).map(|()| vm),
         Launch::Restore { record, disk, .. } => {
             let spec = RestoreSpec {
                 run_dir: run_dir.path().to_path_buf(),

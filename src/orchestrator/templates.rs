@@ -456,5 +456,12 @@ fn build(
         image: req.image.clone(),
         start_cmd: req.start_cmd.clone(),
     });
-    shared.snapshots.insert(record)
+    let capture = record.capture.clone();
+    shared.snapshots.insert(record)?;
+    // Built to be used: its standbys start now.
+    shared
+        .launcher
+        .standby
+        .want(template_id, &capture, req.resources);
+    Ok(())
 }

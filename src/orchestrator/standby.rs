@@ -1,0 +1,479 @@
+//! The standby pool: QEMU processes started ahead of `POST /sandboxes` from a template
+//! built with `POST /templates`, so that a create skips the process start (about 30 ms of
+//! a restore under TCG) and only loads the template's device state.
+//!
+//! A standby is a sandbox-to-be with everything but its state: an id chosen in advance
+//! (its run dir is `<state_dir>/sandboxes/<id>`, so nothing is renamed when it is
+//! claimed), a disk overlay over the template's frozen layers, a network slot, the
+//! template's admission share ([`Reservation`]) and QEMU started with `-incoming defer`
+//! in that slot, mapping the template's RAM file. Its guest has not run and runs no code
+//! until the claiming create's start-resume succeeded: the claim goes through the one
+//! start sequence ([`super::start`]), which loads the state into the standby while the
+//! hook runs and lets the vCPUs run only after it (custom-extension.md §3.2).
+//!
+//! Threads: one worker thread per pool makes standbys (one at a time), replaces dead
+//! ones and discards those of deleted templates. It is the parent thread of every
+//! standby QEMU (their `PR_SET_PDEATHSIG` is tied to it), so it lives as long as the
+//! pool, which lives as long as the server's [`Launcher`]. A claim takes a standby out of
+//! the pool on the API thread; from then on the sandbox's supervisor thread owns it like
+//! any VM it started.
+//!
+//! Sizing: `[templates] standby_per_template` standbys for each built template that was
+//! built or created from since the server started (0 disables the pool). A standby holds
+//! the admission share of the sandbox it will become, so a claim never overcommits; a
+//! start that admission refuses takes the share back from a standby first
+//! ([`StandbyPool::evict_one`]), so the pool never makes a start fail, and refills pause
+//! for [`REFILL_PAUSE_AFTER_EVICTION`].
+//!
+//! Nothing leaks: a standby that fails to start is undone on the spot; a dead one is
+//! found within [`WATCH_INTERVAL`] and replaced, and never handed out (a claim checks its
+//! process first); a template delete and server shutdown discard every standby of it
+//! (VM killed, slot released, run dir removed, share given back) and wait for the worker
+//! to finish the one it may be making. Run dirs of standbys a crashed server left behind
+//! have no record and are removed at the next start like any unfinished create.
+
+use super::admission::Reservation;
+use super::settings::Resources;
+use super::sides::{Machine, Network};
+use super::start::Launcher;
+use super::supervisor::RunDir;
+use super::OrchError;
+use crate::net::Slot;
+use crate::vm::{CaptureRecord, RestoreSpec, VmError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How often the worker checks that its standbys still run.
+pub(crate) const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+/// No refills for this long after a start took a standby's admission share.
+pub(crate) const REFILL_PAUSE_AFTER_EVICTION: Duration = Duration::from_secs(10);
+/// Wait before retrying a template whose standby could not be admitted.
+const RETRY_WHEN_FULL: Duration = Duration::from_secs(2);
+/// Wait before retrying a template whose standby failed to start.
+const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(30);
+/// Longest wait for the worker to finish the standby it is making.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Makes a clone's disk in a run dir: the top layer over the capture's frozen layers
+/// (a seam: unit tests write a file instead).
+pub(crate) type CloneDisk = fn(&CaptureRecord, &Path) -> Result<PathBuf, VmError>;
+
+fn clone_disk(record: &CaptureRecord, dir: &Path) -> Result<PathBuf, VmError> {
+    crate::vm::create_clone_disk(&record.disk_layers, dir)
+}
+
+/// What a claimed standby brings into the start sequence: the VM waiting for its state,
+/// the slot it runs in, and the admission share it held.
+pub(crate) struct Prepared {
+    pub vm: Box<dyn Machine>,
+    pub slot: Slot,
+    pub reservation: Reservation,
+}
+
+/// A standby taken for a create: the new sandbox's id, run dir and disk.
+pub(crate) struct Claimed {
+    pub id: String,
+    pub run_dir: RunDir,
+    pub disk: PathBuf,
+    pub prepared: Prepared,
+}
+
+/// One waiting standby.
+struct Standby {
+    template: String,
+    claimed: Claimed,
+}
+
+impl Standby {
+    /// VM killed, then the slot released; the run dir and the share go with it.
+    fn discard(self, net: &dyn Network, why: &str) {
+        let Claimed {
+            id,
+            run_dir,
+            prepared,
+            ..
+        } = self.claimed;
+        prepared.vm.kill();
+        net.release(prepared.slot);
+        drop(run_dir);
+        log::info!(
+            "sandboxId={id} op=standby result=discarded templateId={} reason={why}",
+            self.template
+        );
+    }
+}
+
+/// A template the pool keeps standbys for.
+struct Wanted {
+    record: CaptureRecord,
+    resources: Resources,
+    /// No new standby before this (admission full, or the last one failed).
+    retry_at: Option<Instant>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    ready: Vec<Standby>,
+    wanted: HashMap<String, Wanted>,
+    /// Drained for shutdown: nothing is made or handed out any more.
+    closed: bool,
+    refill_after: Option<Instant>,
+}
+
+impl PoolState {
+    fn count(&self, template: &str) -> usize {
+        self.ready.iter().filter(|s| s.template == template).count()
+    }
+
+    /// A template that lacks a standby and may get one now.
+    fn deficit(&self, per_template: usize, now: Instant) -> Option<(String, CaptureRecord)> {
+        if self.closed || self.refill_after.is_some_and(|t| now < t) {
+            return None;
+        }
+        self.wanted
+            .iter()
+            .find(|(t, w)| self.count(t) < per_template && w.retry_at.is_none_or(|at| now >= at))
+            .map(|(t, w)| (t.clone(), w.record.clone()))
+    }
+}
+
+enum Event {
+    /// Look for deficits now.
+    Refill,
+    /// Answered once the worker is between standbys.
+    Sync(Sender<()>),
+}
+
+/// The pool (see the module doc). Lives in the [`Launcher`].
+pub(crate) struct StandbyPool {
+    per_template: usize,
+    state: Mutex<PoolState>,
+    worker: Mutex<Option<Sender<Event>>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    pub clone_disk: CloneDisk,
+}
+
+impl StandbyPool {
+    pub fn new(per_template: u32) -> StandbyPool {
+        StandbyPool {
+            per_template: per_template as usize,
+            state: Mutex::new(PoolState::default()),
+            worker: Mutex::new(None),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            clone_disk,
+        }
+    }
+
+    /// Starts the worker thread that makes standbys under `sandboxes_dir`. A pool of size
+    /// 0 starts nothing.
+    pub fn start(launcher: &Arc<Launcher>, sandboxes_dir: PathBuf) {
+        let pool = &launcher.standby;
+        if pool.per_template == 0 {
+            return;
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let weak = Arc::downgrade(launcher);
+        let spawned = std::thread::Builder::new()
+            .name("standby".into())
+            .spawn(move || work(weak, &sandboxes_dir, rx));
+        match spawned {
+            Ok(_) => *pool.worker.lock() = Some(tx),
+            Err(e) => log::warn!("op=standby error=\"cannot start the standby thread: {e}\""),
+        }
+    }
+
+    fn notify(&self, event: Event) -> bool {
+        self.worker
+            .lock()
+            .as_ref()
+            .is_some_and(|w| w.send(event).is_ok())
+    }
+
+    /// Keeps standbys for the built template `template` from now on (idempotent).
+    /// Templates whose RAM is in their state file are not pooled: loading it is most
+    /// of their restore.
+    pub fn want(&self, template: &str, record: &CaptureRecord, resources: Resources) {
+        if self.per_template == 0 || record.memory_file.is_none() {
+            return;
+        }
+        {
+            let mut state = self.state.lock();
+            if state.closed || state.wanted.contains_key(template) {
+                return;
+            }
+            state.wanted.insert(
+                template.to_string(),
+                Wanted {
+                    record: record.clone(),
+                    resources,
+                    retry_at: None,
+                },
+            );
+        }
+        self.notify(Event::Refill);
+    }
+
+    /// A running standby of `template`, taken out of the pool; `None` when it has none.
+    /// A standby whose QEMU has exited is discarded, never handed out.
+    pub fn claim(&self, template: &str, net: &dyn Network) -> Option<Claimed> {
+        loop {
+            let taken = {
+                let mut state = self.state.lock();
+                if state.closed || !state.wanted.contains_key(template) {
+                    return None;
+                }
+                let at = state.ready.iter().position(|s| s.template == template);
+                at.map(|i| state.ready.swap_remove(i))
+            };
+            let Some(mut standby) = taken else {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                self.notify(Event::Refill);
+                return None;
+            };
+            if let Some(status) = standby.claimed.prepared.vm.exited() {
+                standby.discard(net, &format!("\"exited: {status}\""));
+                continue;
+            }
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.notify(Event::Refill);
+            return Some(standby.claimed);
+        }
+    }
+
+    /// Discards one standby (of any template) so that a start can take its admission
+    /// share; false when there is none. Refills pause for a while.
+    pub fn evict_one(&self, net: &dyn Network) -> bool {
+        let taken = {
+            let mut state = self.state.lock();
+            state.refill_after = Some(Instant::now() + REFILL_PAUSE_AFTER_EVICTION);
+            state.ready.pop()
+        };
+        match taken {
+            Some(standby) => {
+                standby.discard(net, "admission");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// No more standbys for `template` (deleted): its standbys are discarded, and one
+    /// being made is discarded before this returns.
+    pub fn forget(&self, template: &str, net: &dyn Network) {
+        let taken = {
+            let mut state = self.state.lock();
+            if state.wanted.remove(template).is_none() {
+                return;
+            }
+            take_where(&mut state.ready, |s| s.template == template)
+        };
+        for standby in taken {
+            standby.discard(net, "template_deleted");
+        }
+        self.sync();
+    }
+
+    /// Shutdown: every standby discarded, none made any more.
+    pub fn drain(&self, net: &dyn Network) {
+        let taken = {
+            let mut state = self.state.lock();
+            state.closed = true;
+            state.wanted.clear();
+            std::mem::take(&mut state.ready)
+        };
+        for standby in taken {
+            standby.discard(net, "shutdown");
+        }
+        self.sync();
+    }
+
+    /// Waits (bounded) until the worker is between standbys: one it was making is
+    /// discarded or kept by then.
+    fn sync(&self) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.notify(Event::Sync(tx)) && rx.recv_timeout(SYNC_TIMEOUT).is_err() {
+            log::warn!("op=standby error=\"the standby thread did not answer\"");
+        }
+    }
+
+    /// Standbys waiting now.
+    pub fn ready(&self) -> usize {
+        self.state.lock().ready.len()
+    }
+
+    /// `agentenv_standby_vms` and `agentenv_standby_claims_total`.
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        super::metrics::render_state_gauge(
+            out,
+            "agentenv_standby_vms",
+            "Pre-started QEMU processes waiting for a create from a template.",
+            &[("ready", self.ready())],
+        );
+        out.push_str(
+            "# HELP agentenv_standby_claims_total Creates from a pooled template, by whether a standby was ready.\n",
+        );
+        out.push_str("# TYPE agentenv_standby_claims_total counter\n");
+        for (result, n) in [("hit", &self.hits), ("miss", &self.misses)] {
+            let _ = writeln!(
+                out,
+                "agentenv_standby_claims_total{{result=\"{result}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+    }
+
+    /// Standbys whose QEMU exited, taken out of the pool.
+    fn take_dead(&self) -> Vec<(Standby, String)> {
+        let mut state = self.state.lock();
+        let mut dead = Vec::new();
+        let mut i = 0;
+        while i < state.ready.len() {
+            match state.ready[i].claimed.prepared.vm.exited() {
+                Some(status) => dead.push((state.ready.swap_remove(i), status)),
+                None => i += 1,
+            }
+        }
+        dead
+    }
+
+    /// Keeps `standby` unless its template went meanwhile.
+    fn keep(&self, standby: Standby, net: &dyn Network) {
+        let rejected = {
+            let mut state = self.state.lock();
+            if state.closed || !state.wanted.contains_key(&standby.template) {
+                Some(standby)
+            } else {
+                state.ready.push(standby);
+                None
+            }
+        };
+        if let Some(standby) = rejected {
+            standby.discard(net, "template_deleted");
+        }
+    }
+
+    fn retry_later(&self, template: &str, after: Duration) {
+        if let Some(w) = self.state.lock().wanted.get_mut(template) {
+            w.retry_at = Some(Instant::now() + after);
+        }
+    }
+}
+
+fn take_where(v: &mut Vec<Standby>, f: impl Fn(&Standby) -> bool) -> Vec<Standby> {
+    let (taken, kept) = std::mem::take(v).into_iter().partition(f);
+    *v = kept;
+    taken
+}
+
+/// The worker: makes one standby at a time while templates lack one, checks every
+/// [`WATCH_INTERVAL`] that the waiting ones run. Ends when the pool is gone.
+fn work(launcher: Weak<Launcher>, sandboxes_dir: &Path, events: Receiver<Event>) {
+    let mut busy = false;
+    loop {
+        let wait = if busy { Duration::ZERO } else { WATCH_INTERVAL };
+        let event = events.recv_timeout(wait);
+        if matches!(event, Err(RecvTimeoutError::Disconnected)) {
+            return;
+        }
+        let Some(launcher) = launcher.upgrade() else {
+            return;
+        };
+        let pool = &launcher.standby;
+        if let Ok(Event::Sync(reply)) = event {
+            let _ = reply.send(());
+        }
+        for (standby, status) in pool.take_dead() {
+            log::warn!(
+                "sandboxId={} op=standby result=exited status=\"{status}\"",
+                standby.claimed.id
+            );
+            standby.discard(&*launcher.net, "exited");
+        }
+        let Some((template, record)) = pool.state.lock().deficit(pool.per_template, Instant::now())
+        else {
+            busy = false;
+            continue;
+        };
+        busy = true;
+        let resources = match pool.state.lock().wanted.get(&template) {
+            Some(w) => w.resources,
+            None => continue,
+        };
+        let started = Instant::now();
+        match make(&launcher, sandboxes_dir, &record, resources) {
+            Ok(claimed) => {
+                log::info!(
+                    "sandboxId={} op=standby result=ready templateId={template} ms={}",
+                    claimed.id,
+                    started.elapsed().as_millis()
+                );
+                pool.keep(Standby { template, claimed }, &*launcher.net);
+            }
+            Err(OrchError::TooMany(why)) => {
+                log::debug!("op=standby templateId={template} result=deferred reason=\"{why}\"");
+                pool.retry_later(&template, RETRY_WHEN_FULL);
+            }
+            Err(e) => {
+                log::warn!("op=standby templateId={template} result=error error=\"{e}\"");
+                pool.retry_later(&template, RETRY_AFTER_FAILURE);
+            }
+        }
+    }
+}
+
+/// One standby of the template `record`: admission share, run dir, disk, slot, QEMU
+/// waiting for its state. On error everything made is undone.
+fn make(
+    launcher: &Launcher,
+    sandboxes_dir: &Path,
+    record: &CaptureRecord,
+    resources: Resources,
+) -> Result<Claimed, OrchError> {
+    let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
+    let reservation = launcher
+        .admission
+        .reserve(resources.memory_mb, resources.cpu_count)?;
+    let id = crate::util::new_id();
+    let run_dir = RunDir::create(sandboxes_dir.join(&id))?;
+    let disk = (launcher.standby.clone_disk)(record, run_dir.path()).map_err(|e| internal(&e))?;
+    let slot = launcher.net.acquire()?;
+    let spec = slot.open_netns().map(|netns| RestoreSpec {
+        run_dir: run_dir.path().to_path_buf(),
+        disk: disk.clone(),
+        netns: Some(netns),
+        tap: Some(crate::net::TAP_NAME.to_string()),
+        accel: launcher.accel,
+        qemu_binary: launcher.vm.qemu_binary.clone(),
+    });
+    let vm = match spec {
+        Ok(spec) => launcher
+            .machines
+            .standby(record, spec)
+            .map_err(|e| internal(&e)),
+        Err(e) => Err(internal(&e)),
+    };
+    match vm {
+        Ok(vm) => Ok(Claimed {
+            id,
+            run_dir,
+            disk,
+            prepared: Prepared {
+                vm,
+                slot,
+                reservation,
+            },
+        }),
+        Err(e) => {
+            launcher.net.release(slot);
+            Err(e)
+        }
+    }
+}
