@@ -150,6 +150,13 @@ fn main() {
         "%",
         &format!("≤ 0.35 %: {cpu_goal}"),
     );
+    row(
+        "QEMU wake-ups while idle (threads scheduled in, per second)",
+        ours_idle.wakeups,
+        floor_idle.wakeups,
+        "/s",
+        "",
+    );
     println!(
         "| host MemAvailable drop per guest | {:.1} MiB | | | |",
         mem_used_kb as f64 / 1024.0 / guests as f64
@@ -188,44 +195,53 @@ fn main() {
     let _ = std::fs::remove_dir_all(&work);
 }
 
-/// PSS and CPU of a set of processes over an idle window, per process.
+/// PSS, CPU and wake-ups of a set of processes over an idle window, per process.
 struct IdleSample {
     pss_mib: f64,
     cpu_percent: f64,
+    /// Times any thread of the process was scheduled in, per second: unlike the CPU
+    /// share, this does not grow when other work on the host slows the guests down.
+    wakeups: f64,
 }
 
 impl IdleSample {
     fn measure(pids: &[u32], secs: u64) -> IdleSample {
-        let ticks = |pids: &[u32]| -> u64 { pids.iter().map(|&p| cpu_ticks(p)).sum() };
-        let before = ticks(pids);
+        let sum = |pids: &[u32]| -> (u64, u64) {
+            pids.iter()
+                .map(|&p| sched_totals(p))
+                .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+        };
+        let before = sum(pids);
         let t = Instant::now();
         std::thread::sleep(Duration::from_secs(secs));
-        let used = ticks(pids) - before;
+        let after = sum(pids);
         let wall = t.elapsed().as_secs_f64();
-        // SAFETY-free: sysconf through libc is not needed; Linux's USER_HZ is 100.
-        let cpu_secs = used as f64 / 100.0;
+        let n = pids.len() as f64;
         let pss_kb: u64 = pids.iter().map(|&p| pss_kb(p)).sum();
         IdleSample {
-            pss_mib: pss_kb as f64 / 1024.0 / pids.len() as f64,
-            cpu_percent: cpu_secs / wall * 100.0 / pids.len() as f64,
+            pss_mib: pss_kb as f64 / 1024.0 / n,
+            cpu_percent: (after.0 - before.0) as f64 / 1e9 / wall * 100.0 / n,
+            wakeups: (after.1 - before.1) as f64 / wall / n,
         }
     }
 }
 
-/// utime + stime of `pid` in clock ticks (0 once it is gone).
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may contain spaces) in parentheses.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line: 12 and 13 after the name.
-    let get = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
+/// Nanoseconds on a CPU and times scheduled in, summed over the threads of `pid`
+/// (`/proc/<pid>/task/*/schedstat`; 0 once it is gone).
+fn sched_totals(pid: u32) -> (u64, u64) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return (0, 0);
     };
-    get(11) + get(12)
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .map(|s| {
+            let mut f = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+            let ns = f.next().unwrap_or(0);
+            let slices = f.nth(1).unwrap_or(0);
+            (ns, slices)
+        })
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 fn pss_kb(pid: u32) -> u64 {

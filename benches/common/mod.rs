@@ -543,6 +543,7 @@ impl Floor {
         let mut vm = self.spawn(dir, &disk, false, memory.as_deref().map(|m| (m, true)));
         AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
             .expect("the floor template VM never answered");
+        vm::stop_boot_timer(&mut vm.qmp, self.accel).unwrap();
         std::thread::sleep(SETTLE);
         let state = dir.join("state.bin");
         vm.pause(&state);

@@ -122,6 +122,10 @@ pub(crate) trait Machine: Send {
     fn resume_vcpus(&mut self) -> Result<(), VmError>;
     /// On a [`Machines::standby`] VM: loads `record`'s state; the vCPUs stay stopped.
     fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError>;
+    /// The guest of a cold boot has booted: drop what only its boot needed.
+    fn boot_finished(&mut self) -> Result<(), VmError> {
+        Ok(())
+    }
     fn disk_chain_depth(&mut self) -> Result<usize, VmError>;
     fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError>;
 }
@@ -186,6 +190,9 @@ impl Machine for Vm {
         let load_ms = Vm::load_incoming(self, record)?;
         log::info!("vm op=load_state pid={} loadMs={load_ms}", self.pid());
         Ok(())
+    }
+    fn boot_finished(&mut self) -> Result<(), VmError> {
+        Vm::boot_finished(self)
     }
     fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
         Vm::disk_chain_depth(self)

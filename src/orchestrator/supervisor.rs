@@ -461,6 +461,12 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         });
     match ready {
         Ok(agent) => {
+            if !restored {
+                // Only costs idle CPU when it fails: the start goes on.
+                if let Err(e) = runtime.vm.boot_finished() {
+                    log::warn!("sandboxId={id} op=launch step=boot_finished error=\"{e}\"");
+                }
+            }
             let agent = Arc::new(agent);
             runtime.agent = Some(agent.clone());
             Ok((runtime, agent))

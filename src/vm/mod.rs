@@ -35,7 +35,7 @@ pub use console::tail_lines;
 pub use disk::{
     create_clone_disk, create_layer, create_overlay, disk_chain, next_layer_path, MAX_CHAIN_LAYERS,
 };
-pub use qemu::{guest_kernel, kernel_cmdline, MemoryFile, Vm, VmSpec, GUEST_MAC};
+pub use qemu::{guest_kernel, kernel_cmdline, stop_boot_timer, MemoryFile, Vm, VmSpec, GUEST_MAC};
 pub use qmp::Qmp;
 
 /// Everything that can go wrong starting or driving a VM.
