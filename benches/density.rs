@@ -17,9 +17,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use agentenv::config::AccelMode;
 use agentenv::image::ImageStore;
-use agentenv::vm;
 use common::{load_average, median, BenchServer, Floor, FloorVm, DISK_MB};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -59,12 +57,7 @@ fn main() {
     let images = ImageStore::new(work.join("images"));
     let image = format!("oci:{}", assets.join("base-image").display());
     let base = images.prepare_rootfs(&image, DISK_MB).unwrap().base_disk;
-    let accel = vm::detect_accel(AccelMode::Auto).unwrap();
-    let floor = Floor {
-        assets: assets.clone(),
-        accel,
-        cmdline: vm::kernel_cmdline(accel, &["agentenv.port=49983".into()]).unwrap(),
-    };
+    let floor = Floor::new(&assets);
     let template = floor.make_template(&base, &work.join("ft"), true);
     let floor_vms: Vec<FloorVm> = (0..guests)
         .map(|i| {
@@ -162,13 +155,20 @@ fn main() {
         mem_used_kb as f64 / 1024.0 / guests as f64
     );
     println!();
-    println!("| throughput: create from template + first command (`true`) + delete | per second | create → first answer p50 | errors |");
-    println!("|---|---|---|---|");
+    println!(
+        "| throughput: create from template + first command (`true`) + delete | per second \
+         | create → first answer p50 | CPU-s per round: server + QEMU | CPU-s per round: host \
+         | host CPUs busy | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for (n, t) in [(1, &single), (clients, &concurrent)] {
         println!(
-            "| {n} client(s), {throughput_secs} s | {:.2}/s | {:.0} ms | {} |",
+            "| {n} client(s), {throughput_secs} s | {:.2}/s | {:.0} ms | {:.3} | {:.3} | {:.0} % | {} |",
             t.per_second,
             median(&t.latencies),
+            t.server_cpu,
+            t.host_cpu,
+            t.host_busy,
             t.errors
         );
     }
@@ -362,6 +362,45 @@ struct Throughput {
     per_second: f64,
     latencies: Vec<f64>,
     errors: usize,
+    /// CPU-seconds per completed round: the server and the QEMU processes it reaped.
+    server_cpu: f64,
+    /// CPU-seconds per completed round on the whole host (kernel threads included, and
+    /// whatever else runs on it).
+    host_cpu: f64,
+    /// How busy the host's CPUs were over the window, in % of all of them.
+    host_busy: f64,
+}
+
+/// CPU-seconds of `pid` and of its children it has reaped (utime, stime, cutime, cstime).
+fn process_tree_cpu(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name (which may hold spaces, in parentheses).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let ticks: u64 = rest
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum();
+    // Linux's USER_HZ is 100.
+    ticks as f64 / 100.0
+}
+
+/// (busy, total) CPU-seconds of the host since boot, from /proc/stat.
+fn host_cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    // idle and iowait are the 4th and 5th.
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    ((total - idle) as f64 / 100.0, total as f64 / 100.0)
 }
 
 /// `clients` threads each creating a sandbox from `template`, running `true` and deleting
@@ -371,6 +410,7 @@ fn throughput(server: &BenchServer, template: &str, clients: usize, secs: u64) -
     let stop = AtomicBool::new(false);
     let errors = AtomicUsize::new(0);
     let latencies = parking_lot::Mutex::new(Vec::new());
+    let (server_before, host_before) = (process_tree_cpu(server.pid()), host_cpu());
     let t = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..clients {
@@ -395,10 +435,17 @@ fn throughput(server: &BenchServer, template: &str, clients: usize, secs: u64) -
         std::thread::sleep(Duration::from_secs(secs));
         stop.store(true, Ordering::SeqCst);
     });
+    let wall = t.elapsed().as_secs_f64();
+    let (server_after, host_after) = (process_tree_cpu(server.pid()), host_cpu());
     let latencies = latencies.into_inner();
+    let rounds = latencies.len().max(1) as f64;
     Throughput {
-        per_second: latencies.len() as f64 / t.elapsed().as_secs_f64(),
-        latencies,
+        per_second: latencies.len() as f64 / wall,
         errors: errors.into_inner(),
+        server_cpu: (server_after - server_before) / rounds,
+        host_cpu: (host_after.0 - host_before.0) / rounds,
+        host_busy: (host_after.0 - host_before.0) / (host_after.1 - host_before.1).max(0.01)
+            * 100.0,
+        latencies,
     }
 }

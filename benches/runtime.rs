@@ -5,24 +5,26 @@
 //!
 //! Prints a markdown table (medians and p90) for docs/performance.md.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use agentenv::agent::AgentClient;
 use agentenv::config::Config;
 use agentenv::image::ImageStore;
 use agentenv::net::SlotManager;
-use agentenv::vm::{self, Accel};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use agentenv::vm;
+use common::{median, ms_since, p90, BenchServer, Floor, DISK_MB, STEP_TIMEOUT};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const RUNS: usize = 7;
 const SLOT_RUNS: usize = 25;
-const API_KEY: &str = "bench-key-0123456789abcdefghijklmnopqrstuvwxyz";
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let assets = PathBuf::from(
+    let assets = std::path::PathBuf::from(
         std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
     );
     let work = std::env::temp_dir().join(format!("aenv-bench-{}", std::process::id()));
@@ -64,25 +66,6 @@ fn row(name: &str, v: &[f64], ratio: Option<f64>) {
     );
 }
 
-fn sorted(v: &[f64]) -> Vec<f64> {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    s
-}
-
-fn median(v: &[f64]) -> f64 {
-    sorted(v)[v.len() / 2]
-}
-
-fn p90(v: &[f64]) -> f64 {
-    let s = sorted(v);
-    s[((s.len() as f64 * 0.9).ceil() as usize).saturating_sub(1)]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
 /// Slot creation with an empty pool, and destruction, through the real slot manager.
 fn slot_times() -> (Vec<f64>, Vec<f64>) {
     let mut config = Config::from_sources(None, &[]).unwrap();
@@ -93,14 +76,14 @@ fn slot_times() -> (Vec<f64>, Vec<f64>) {
     for _ in 0..SLOT_RUNS {
         let t = Instant::now();
         let slot = slots.acquire().unwrap();
-        create.push(ms(t.elapsed()));
+        create.push(ms_since(t));
         let path = slot.netns_path().to_path_buf();
         let t = Instant::now();
         slots.release(slot);
         while path.exists() {
             std::thread::sleep(Duration::from_micros(200));
         }
-        destroy.push(ms(t.elapsed()));
+        destroy.push(ms_since(t));
     }
     slots.shutdown();
     (create, destroy)
@@ -111,199 +94,38 @@ fn slot_times() -> (Vec<f64>, Vec<f64>) {
 fn boot_times(assets: &Path, work: &Path) -> (Vec<f64>, Vec<f64>, (Vec<f64>, f64)) {
     let images = ImageStore::new(work.join("images"));
     let image = format!("oci:{}", assets.join("base-image").display());
-    let base = images.prepare_rootfs(&image, 1024).unwrap().base_disk;
-    let accel = vm::detect_accel(agentenv::config::AccelMode::Auto).unwrap();
-    let server = BenchServer::start(assets, work);
+    let base = images.prepare_rootfs(&image, DISK_MB).unwrap().base_disk;
+    let floor = Floor::new(assets);
+    let server = BenchServer::start(assets, &work.join("server"), None);
     // Warm the server's image cache and page cache once.
-    let id = server.create(&image);
+    let id = server.create_cold(&image);
     server.delete(&id);
-    let (mut floor, mut cold) = (Vec::new(), Vec::new());
+    let (mut floor_ms, mut cold) = (Vec::new(), Vec::new());
     for i in 0..RUNS {
-        floor.push(raw_floor(assets, &base, work, accel, i));
+        floor_ms.push(raw_floor(&floor, &base, &work.join(format!("floor-{i}"))));
         let t = Instant::now();
-        let id = server.create(&image);
-        cold.push(ms(t.elapsed()));
+        let id = server.create_cold(&image);
+        cold.push(ms_since(t));
         server.delete(&id);
     }
-    let id = server.create(&image);
+    let id = server.create_cold(&image);
     let api = server.get_throughput(&id, 4, Duration::from_secs(3));
     server.delete(&id);
-    (floor, cold, api)
+    (floor_ms, cold, api)
 }
 
-/// QEMU started by hand with the same kernel, initramfs, machine and guest devices as
-/// agentenv uses (a user-mode NIC instead of a network slot), timed from spawn to the guest agent's first answer.
-fn raw_floor(assets: &Path, base: &Path, work: &Path, accel: Accel, i: usize) -> f64 {
-    let dir = work.join(format!("floor-{i}"));
-    std::fs::create_dir_all(&dir).unwrap();
+/// QEMU started by hand with the product's argv shape (an unconnected NIC instead of a
+/// network slot) on a fresh overlay, timed from spawn to the guest agent's first answer.
+fn raw_floor(floor: &Floor, base: &Path, dir: &Path) -> f64 {
+    std::fs::create_dir_all(dir).unwrap();
     let disk = dir.join("disk.qcow2");
-    vm::create_overlay(base, &disk, 1024).unwrap();
-    let agent = dir.join("agent.sock");
-    let mut machine = "microvm,acpi=on,auto-kernel-cmdline=off".to_string();
-    let mut append = "console=ttyS0 reboot=t panic=-1".to_string();
-    let (accel_arg, cpu) = match accel {
-        Accel::Kvm => ("kvm", "host"),
-        Accel::Tcg { tsc_khz } => {
-            machine.push_str(",pit=on,pic=off");
-            append.push_str(&format!(" tsc_early_khz={tsc_khz} tsc=reliable"));
-            ("tcg,tb-size=32", "max")
-        }
-    };
-    append.push_str(" agentenv.port=49983");
+    vm::create_overlay(base, &disk, DISK_MB).unwrap();
     let t = Instant::now();
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
-        .args([
-            "-M", &machine, "-accel", accel_arg, "-cpu", cpu, "-smp", "1", "-m", "256M",
-        ])
-        .arg("-kernel")
-        .arg(vm::guest_kernel(assets))
-        .arg("-initrd")
-        .arg(assets.join("initramfs.img"))
-        .args(["-append", &append])
-        .args([
-            "-serial",
-            &format!("file:{}", dir.join("console.log").display()),
-        ])
-        .args([
-            "-drive",
-            &format!("id=root,file={},format=qcow2,if=none", disk.display()),
-            "-device",
-            "virtio-blk-device,drive=root",
-            // A NIC like the product's (user-mode here: the floor has no network slot),
-            // so the guest's network setup costs the same.
-            "-netdev",
-            "user,id=net0",
-            "-device",
-            "virtio-net-device,netdev=net0,mac=06:00:a9:fe:00:15",
-            "-chardev",
-            &format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                agent.display()
-            ),
-            "-device",
-            "virtio-serial-device",
-            "-device",
-            "virtserialport,chardev=agent,name=agentenv",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let client = AgentClient::connect(&agent, Instant::now() + Duration::from_secs(60));
-    let elapsed = ms(t.elapsed());
-    let _ = child.kill();
-    let _ = child.wait();
+    let vm = floor.spawn(dir, &disk, false, None);
+    let client = AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT);
+    let elapsed = ms_since(t);
+    drop(vm);
     client.expect("raw floor VM never answered");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
     elapsed
-}
-
-/// The real server binary on loopback.
-struct BenchServer {
-    child: std::process::Child,
-    base: String,
-}
-
-impl BenchServer {
-    fn start(assets: &Path, work: &Path) -> BenchServer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let config = work.join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\napi_key = \"{API_KEY}\"\n\
-                 [vm]\nassets_dir = \"{}\"\ndefault_memory_mb = 256\ndefault_cpu_count = 1\ndefault_disk_size_mb = 1024\n\
-                 [network]\npool_min = 2\n",
-                work.join("state").display(),
-                assets.display()
-            ),
-        )
-        .unwrap();
-        let binary = std::env::var("AENV_BENCH_BINARY").unwrap_or_else(|_| {
-            concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/agentenv").into()
-        });
-        let child = Command::new(binary)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        let server = BenchServer {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while ureq::get(&format!("{}/health", server.base))
-            .call()
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        // Let the pool fill so slot creation is not on the measured path.
-        std::thread::sleep(Duration::from_millis(500));
-        server
-    }
-
-    fn create(&self, image: &str) -> String {
-        let v: serde_json::Value = ureq::post(&format!("{}/sandboxes-cold", self.base))
-            .set("X-API-Key", API_KEY)
-            .send_json(serde_json::json!({"image": image, "timeout": 600}))
-            .unwrap()
-            .into_json()
-            .unwrap();
-        v["sandboxID"].as_str().unwrap().to_string()
-    }
-
-    fn delete(&self, id: &str) {
-        ureq::delete(&format!("{}/sandboxes/{id}", self.base))
-            .set("X-API-Key", API_KEY)
-            .call()
-            .unwrap();
-    }
-
-    /// Per-request latencies and requests per second over `duration` (bounded).
-    fn get_throughput(&self, id: &str, threads: usize, duration: Duration) -> (Vec<f64>, f64) {
-        let url = format!("{}/sandboxes/{id}", self.base);
-        let start = Instant::now();
-        let lat: Vec<f64> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|_| {
-                    let url = url.clone();
-                    s.spawn(move || {
-                        let agent = ureq::AgentBuilder::new().build();
-                        let mut lat = Vec::new();
-                        while start.elapsed() < duration && lat.len() < 200_000 {
-                            let t = Instant::now();
-                            agent.get(&url).set("X-API-Key", API_KEY).call().unwrap();
-                            lat.push(ms(t.elapsed()));
-                        }
-                        lat
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap())
-                .collect()
-        });
-        let rate = lat.len() as f64 / start.elapsed().as_secs_f64();
-        (lat, rate)
-    }
-}
-
-impl Drop for BenchServer {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
 }

@@ -216,6 +216,11 @@ impl BenchServer {
         server
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `http://127.0.0.1:<port>`.
     pub fn base(&self) -> &str {
         &self.base
@@ -379,6 +384,36 @@ impl BenchServer {
         self.call("DELETE", &format!("/templates/{name}"), None, 204);
     }
 
+    /// `GET /sandboxes/{id}` from `threads` clients for `duration`: the latencies and
+    /// requests per second.
+    pub fn get_throughput(&self, id: &str, threads: usize, duration: Duration) -> (Vec<f64>, f64) {
+        let url = format!("{}/sandboxes/{id}", self.base);
+        let start = Instant::now();
+        let lat: Vec<f64> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let url = url.clone();
+                    s.spawn(move || {
+                        let agent = ureq::AgentBuilder::new().build();
+                        let mut lat = Vec::new();
+                        while start.elapsed() < duration && lat.len() < 200_000 {
+                            let t = Instant::now();
+                            agent.get(&url).set("X-API-Key", API_KEY).call().unwrap();
+                            lat.push(ms_since(t));
+                        }
+                        lat
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
+        });
+        let rate = lat.len() as f64 / start.elapsed().as_secs_f64();
+        (lat, rate)
+    }
+
     pub fn count_snapshots(&self) -> usize {
         let v = self.call("GET", "/snapshots", None, 200);
         v.as_array().map_or(0, Vec::len)
@@ -418,6 +453,17 @@ pub struct FloorTemplate {
 }
 
 impl Floor {
+    /// The floor for the assets in `assets`: the accelerator the product would pick and
+    /// the product's kernel command line.
+    pub fn new(assets: &Path) -> Floor {
+        let accel = vm::detect_accel(agentenv::config::AccelMode::Auto).unwrap();
+        Floor {
+            assets: assets.to_path_buf(),
+            accel,
+            cmdline: vm::kernel_cmdline(accel, &["agentenv.port=49983".into()]).unwrap(),
+        }
+    }
+
     /// Spawns QEMU in `run` on `disk` with the product's argv shape, and connects QMP.
     /// `memory`: the RAM file and whether it is mapped shared (else anonymous RAM).
     pub fn spawn(
