@@ -62,38 +62,27 @@ fn main() {
     let plain = floor.make_template(&base, &work.join("ft"), false);
     let ramfile = floor.make_template(&base, &work.join("fr"), true);
 
-    // Phase 1: the server without an extension: create from a built template.
-    let mut create_plain = Row::new(
+    // Phase 1: the server without an extension: create from a built template, with the
+    // standby pool (the default) and without it.
+    let bench = CreateBench {
+        assets: &assets,
+        image: &image,
+        floor: &floor,
+        template: &ramfile,
+        runs,
+    };
+    let create_plain = bench.run(
         "create from a built template `POST /sandboxes` → 201, no extension",
-        Some(40.0),
+        &work.join("s1"),
+        "",
+        &mut load,
     );
-    {
-        let server = BenchServer::start(&assets, &work.join("s1"), None);
-        let built = server.build_template(&image, "bench-built-1");
-        for i in 0..runs {
-            std::thread::sleep(SETTLE);
-            let (p, f) = alternate(
-                i % 2 == 0,
-                || {
-                    let (clone, took) = server.create_from_template(&built);
-                    server.delete(&clone);
-                    took
-                },
-                || {
-                    let dir = work.join(format!("f1-{i}"));
-                    let (vm, took) = floor.clone_template(&ramfile, &dir);
-                    drop(vm);
-                    std::fs::remove_dir_all(&dir).unwrap();
-                    took
-                },
-            );
-            create_plain.push(p, f);
-            load.push(load_average());
-            eprintln!("phase 1: run {}/{runs} done", i + 1);
-        }
-        server.delete_template(&built);
-        assert_eq!(server.count_snapshots(), 0, "phase 1 left snapshots");
-    }
+    let create_no_pool = bench.run(
+        "the same without the standby pool (`standby_per_template = 0`)",
+        &work.join("s1b"),
+        "[templates]\nstandby_per_template = 0\n",
+        &mut load,
+    );
 
     // Phase 2: the server with a local extension (start-resume on every create and
     // resume): the path users take, on one template-derived sandbox per run.
@@ -197,7 +186,7 @@ fn main() {
 
     println!("| operation | agentenv p50 | agentenv p90 | raw floor p50 | raw floor p90 | ratio (p50) | goal |");
     println!("|---|---|---|---|---|---|---|");
-    let mut all = vec![&create_plain];
+    let mut all = vec![&create_plain, &create_no_pool];
     all.extend(rows.iter());
     all.extend([&snapshot, &create_snap]);
     for row in all {
@@ -346,6 +335,55 @@ impl Row {
     }
 }
 
+/// Phase 1: creates from a built template (then deleted) on a server without an
+/// extension, alternating with the floor's clone of its RAM-file template.
+struct CreateBench<'a> {
+    assets: &'a Path,
+    image: &'a str,
+    floor: &'a Floor,
+    template: &'a FloorTemplate,
+    runs: usize,
+}
+
+impl CreateBench<'_> {
+    /// One row; `config` is appended to the server's config file.
+    fn run(&self, name: &'static str, work: &Path, config: &str, load: &mut Vec<f64>) -> Row {
+        let mut row = Row::new(name, Some(40.0));
+        let server = BenchServer::start_with(self.assets, work, None, config);
+        let built = server.build_template(self.image, "bench-built-1");
+        for i in 0..self.runs {
+            std::thread::sleep(SETTLE);
+            let (p, f) = alternate(
+                i % 2 == 0,
+                || {
+                    let (clone, took) = server.create_from_template(&built);
+                    server.delete(&clone);
+                    took
+                },
+                || {
+                    let dir = work.join(format!("f1-{i}"));
+                    let (vm, took) = self.floor.clone_template(self.template, &dir);
+                    drop(vm);
+                    std::fs::remove_dir_all(&dir).unwrap();
+                    took
+                },
+            );
+            row.push(p, f);
+            load.push(load_average());
+            eprintln!("phase 1 ({name}): run {}/{} done", i + 1, self.runs);
+        }
+        server.delete_template(&built);
+        assert_eq!(server.count_snapshots(), 0, "phase 1 left snapshots");
+        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+        let from_standby = log.matches("standby=true").count();
+        eprintln!(
+            "phase 1 ({name}): {from_standby} of {} creates took a standby",
+            self.runs
+        );
+        row
+    }
+}
+
 /// Runs the product's and the floor's measurement, in the given order.
 fn alternate(
     product_first: bool,
@@ -363,7 +401,7 @@ fn alternate(
 
 /// Where the server says its time went (its info log, `key=value` fields): medians.
 fn print_breakdown(log: &str) {
-    let entries: [(&str, &str, &[&str]); 6] = [
+    let entries: [(&str, &str, &[&str]); 8] = [
         ("pause, whole operation", "op=pause result=ok", &["ms"]),
         (
             "pause, VM capture+quit",
@@ -386,6 +424,16 @@ fn print_breakdown(log: &str) {
             "vm op=restore",
             &["spawnMs", "loadMs"],
         ),
+        (
+            "create from a standby, state load into the waiting QEMU",
+            "vm op=load_state",
+            &["loadMs"],
+        ),
+        (
+            "restore, the prepared VM waits for start-resume",
+            "op=launch hookWaitMs",
+            &["hookWaitMs"],
+        ),
     ];
     println!("Server-side (from its info log), medians:\n");
     println!("| step | fields | n |");
@@ -401,6 +449,11 @@ fn print_breakdown(log: &str) {
             .collect();
         println!("| {name} | {} | {} |", fields.join(", "), lines.len());
     }
+    println!(
+        "| creates from a built template that took a standby | {} of {} | |",
+        log.matches("standby=true").count(),
+        log.matches("op=create_from_capture result=ok").count()
+    );
     let captures: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("vm op=capture"))
