@@ -401,7 +401,7 @@ fn alternate(
 
 /// Where the server says its time went (its info log, `key=value` fields): medians.
 fn print_breakdown(log: &str) {
-    let entries: [(&str, &str, &[&str]); 8] = [
+    let entries: [(&str, &str, &[&str]); 9] = [
         ("pause, whole operation", "op=pause result=ok", &["ms"]),
         (
             "pause, VM capture+quit",
@@ -433,6 +433,11 @@ fn print_breakdown(log: &str) {
             "restore, the prepared VM waits for start-resume",
             "op=launch hookWaitMs",
             &["hookWaitMs"],
+        ),
+        (
+            "VM launch: prepared (spawn or load) / `cont` → agent answered and clock set",
+            "op=launch result=ready",
+            &["prepareMs", "agentMs"],
         ),
     ];
     println!("Server-side (from its info log), medians:\n");

@@ -474,10 +474,11 @@ pub(crate) fn clone_from_capture(
             watch: Registered::watch(registry, &id),
         },
     )?;
+    let start_ms = started.elapsed().as_millis();
     let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
     register_running(registry, &dir, info.clone(), booted.runtime)?;
     log::info!(
-        "sandboxId={id} op=create_from_capture result=ok templateID={} standby={from_standby} ms={}",
+        "sandboxId={id} op=create_from_capture result=ok templateID={} standby={from_standby} startMs={start_ms} ms={}",
         info.settings.template_id,
         started.elapsed().as_millis()
     );

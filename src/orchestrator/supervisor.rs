@@ -331,6 +331,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         reservation,
         watch,
     } = plan;
+    let launched = Instant::now();
     let mut instance = instance;
     let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
         launcher.hooks.stop(instance, StopReason::StartFailed);
@@ -438,6 +439,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             return Err(fail(slot, instance, &e));
         }
     }
+    let running = Instant::now();
     let mut runtime = Runtime {
         vm,
         slot: Some(slot),
@@ -467,6 +469,12 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
                     log::warn!("sandboxId={id} op=launch step=boot_finished error=\"{e}\"");
                 }
             }
+            log::info!(
+                "sandboxId={id} op=launch result=ready prepareMs={} agentMs={} totalMs={}",
+                (prepared - launched).as_millis(),
+                running.elapsed().as_millis(),
+                launched.elapsed().as_millis()
+            );
             let agent = Arc::new(agent);
             runtime.agent = Some(agent.clone());
             Ok((runtime, agent))
