@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::extension::{Behavior, Extension};
 use common::*;
 use serde_json::json;
 use std::time::Duration;
@@ -66,12 +67,16 @@ fn nothing_left(s: &Server) {
 
 #[test]
 fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
-    let mut s = Server::start("");
+    let ext = Extension::start();
+    let mut s = Server::start(&format!(
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+        ext.url()
+    ));
     build_template(&s, "st");
     // The build's end starts the template's standby: a QEMU waiting for its state, whose
     // guest has not run (its console is empty).
     wait_ready(&s, 1);
-    let waiting = standby_pid(&s, &[]);
+    let first = standby_pid(&s, &[]);
     let console: Vec<_> = files_under(&s.state_dir.join("sandboxes"))
         .into_iter()
         .filter(|p| p.ends_with("console.log"))
@@ -83,9 +88,41 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
         "a standby's guest printed something: {console:?}"
     );
 
+    // The extension hears nothing of a standby.
+    assert!(ext.requests_for("start-resume").is_empty());
+
+    // A create whose start-resume fails undoes its standby like any failed create, and
+    // the pool makes another.
+    ext.script("start-resume", vec![Behavior::status(500)]);
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "st", "timeout": 120})),
+    );
+    assert_eq!(code, 502, "{v}");
+    let failed = ext.requests_for("start-resume")[0].sandbox_id().to_string();
+    assert!(
+        wait_until(Duration::from_secs(10), || ext
+            .requests_for("stop")
+            .iter()
+            .any(|r| r.sandbox_id() == failed
+                && r.header("X-Agentenv-Stop-Reason") == Some("start-failed"))),
+        "no stop for the failed start"
+    );
+    assert!(qemu_processes_with(&failed).is_empty());
+    let dir = s.state_dir.join("sandboxes").display().to_string();
+    assert!(
+        !qemu_processes_with(&dir).contains(&first),
+        "the claimed standby is gone"
+    );
+    assert!(!s.state_dir.join("sandboxes").join(&failed).exists());
+    assert_eq!(s.call("GET", &format!("/sandboxes/{failed}"), None).0, 404);
+    wait_ready(&s, 1);
+    let waiting = standby_pid(&s, &[]);
+
     // A create takes it: the sandbox runs in the QEMU that was waiting.
     let id = create(&s);
-    assert_eq!(metric(&s, HITS), 1);
+    assert_eq!(metric(&s, HITS), 2);
     assert_eq!(qemu_processes_with(&id), [waiting]);
     assert!(s.log().contains(&format!(
         "sandboxId={id} op=create_from_capture result=ok templateID="
@@ -113,7 +150,7 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
     );
     assert!(s.log().contains("op=standby result=exited"));
     let second = create(&s);
-    assert_eq!(metric(&s, HITS), 2);
+    assert_eq!(metric(&s, HITS), 3);
     assert_eq!(sh(&s, &second, "echo ok"), "ok\n");
     for sb in [&id, &second] {
         assert_eq!(s.call("DELETE", &format!("/sandboxes/{sb}"), None).0, 204);
@@ -148,4 +185,20 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
     );
     s.stop();
     nothing_left(&s);
+    // Every start-resume the extension saw was a create's, and every instance was stopped.
+    let resumes = ext.requests_for("start-resume");
+    assert_eq!(
+        resumes.len(),
+        4,
+        "the failed create and three created sandboxes"
+    );
+    for r in &resumes {
+        assert!(
+            ext.requests_for("stop")
+                .iter()
+                .any(|st| st.instance_id() == r.instance_id()),
+            "no stop for {}",
+            r.sandbox_id()
+        );
+    }
 }
