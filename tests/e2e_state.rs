@@ -3,7 +3,8 @@
 //! and touch nothing outside their staging root; setuid files and device nodes reach the
 //! guest but never the host; the state dir is private; a failed pause commit keeps the
 //! capture; a record corrupted between two runs is quarantined, not deleted; a moved
-//! state dir keeps its paused sandboxes. One cold boot serves every VM assertion.
+//! state dir keeps its paused sandboxes; a pause that finds QEMU hung keeps the disk in
+//! quarantine. One cold boot serves every VM assertion.
 
 mod common;
 
@@ -16,6 +17,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 /// One server at a time: a host runs one agentenv.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -443,5 +445,58 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
     );
     assert_eq!(code, 201, "{v}\n{}", s.log());
     assert_eq!(sh(&s, &a, "cat /dev/shm/m /root/d"), "mem-a\ndisk-a\n");
-    assert_eq!(s.call("DELETE", &format!("/sandboxes/{a}"), None).0, 204);
+
+    // A pause that finds QEMU hung (stopped here, so it never answers) cannot capture,
+    // and the VM cannot run on: the sandbox is removed (500, then 404) and its VM ends,
+    // but its disk is kept in quarantine with the reason, never deleted.
+    let pids = qemu_processes_with(&format!("sandboxes/{a}"));
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    host("kill", &["-STOP", &pids[0].to_string()]);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
+    assert_eq!(code, 500, "{v}");
+    assert!(
+        v["message"].as_str().unwrap().contains("disk is kept"),
+        "{v}"
+    );
+    assert_eq!(s.call("GET", &format!("/sandboxes/{a}"), None).0, 404);
+    assert!(
+        wait_until(Duration::from_secs(10), || !Path::new(&format!(
+            "/proc/{}/cmdline",
+            pids[0]
+        ))
+        .exists()),
+        "QEMU {} is still there",
+        pids[0]
+    );
+    assert!(!s.state_dir.join("sandboxes").join(&a).exists());
+    let kept: Vec<PathBuf> = fs::read_dir(s.state_dir.join("quarantine"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && p.to_string_lossy().contains(&format!("/sandboxes-{a}-")))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let disks: Vec<PathBuf> = fs::read_dir(&kept[0])
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "qcow2"))
+        .collect();
+    assert!(!disks.is_empty(), "no disk kept in {}", kept[0].display());
+    for disk in &disks {
+        // Its backing chain still resolves from the quarantine.
+        let info = std::process::Command::new("qemu-img")
+            .args(["info", "-U", "--backing-chain"])
+            .arg(disk)
+            .output()
+            .unwrap();
+        assert!(info.status.success(), "{}: {info:?}", disk.display());
+    }
+    let why = fs::read_to_string(kept[0].with_extension("reason")).unwrap();
+    assert!(why.contains("pause failed"), "{why}");
+    assert!(
+        s.log()
+            .contains(&format!("sandboxId={a} op=pause result=stopped kept=")),
+        "no log line says where the disk went"
+    );
 }

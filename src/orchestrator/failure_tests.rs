@@ -343,6 +343,34 @@ fn a_pause_whose_commit_fails_keeps_the_capture_and_stays_resumable() {
 }
 
 #[test]
+fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
+    let rig = Rig::new();
+    rig.script(Script {
+        stuck_pause: true,
+        ..Script::default()
+    });
+    let entry = rig.running("sb-1");
+    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause).unwrap_err();
+    assert!(e.to_string().contains("pause failed"), "{e}");
+    assert!(rig.registry.entry("sb-1").is_err(), "removed from the API");
+    assert_eq!(entry.state(), SandboxState::Deleting);
+    assert!(!rig.registry.dir("sb-1").exists());
+    let quarantine = rig.state_dir.join("quarantine");
+    let kept: Vec<PathBuf> = std::fs::read_dir(&quarantine)
+        .expect("a quarantine dir")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(std::fs::read(kept[0].join("disk.qcow2")).unwrap(), b"disk");
+    assert!(kept[0].join("record.json").is_file());
+    let why = std::fs::read_to_string(kept[0].with_extension("reason")).unwrap();
+    assert!(why.contains("pause failed"), "{why}");
+    assert_eq!(rig.hooks.calls(), ["start-fresh sb-1", "stop sb-1 failure"]);
+    rig.assert_nothing_held();
+}
+
+#[test]
 fn shutdown_never_deletes_a_sandbox_whose_pause_failed() {
     let rig = Rig::new();
     rig.script(Script {

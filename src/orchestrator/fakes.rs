@@ -204,6 +204,8 @@ pub(crate) mod sides {
         pub fail_pause: bool,
         /// Loading the state into a standby fails.
         pub fail_load: bool,
+        /// A pause fails and the VM cannot run on (it stopped answering).
+        pub stuck_pause: bool,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -301,7 +303,7 @@ pub(crate) mod sides {
         fn kill(self: Box<Self>) {}
         fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
             self.pauses.fetch_add(1, Ordering::SeqCst);
-            if self.script.fail_pause {
+            if self.script.fail_pause || self.script.stuck_pause {
                 return Err(VmError::Migration {
                     status: "failed".into(),
                     message: "the fake VM cannot migrate".into(),
@@ -319,6 +321,9 @@ pub(crate) mod sides {
             Ok((capture_into(dir, &self.run_dir)?, CaptureStats::default()))
         }
         fn resume_vcpus(&mut self) -> Result<(), VmError> {
+            if self.script.stuck_pause {
+                return Err(VmError::InvalidSpec("the fake VM does not answer".into()));
+            }
             Ok(())
         }
         fn load_state(&mut self, _: &CaptureRecord) -> Result<(), VmError> {

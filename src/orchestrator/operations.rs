@@ -224,7 +224,34 @@ pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result
             log::error!("sandboxId={id} op=pause result=removed error=\"{e}\"");
             Err(e)
         }
+        PauseOutcome::Stopped(e) => Err(remove_stopped(registry, &entry, id, "pause", e)),
     }
+}
+
+/// custom-extension.md §5.4: a sandbox whose VM a failed capture left unable to run on
+/// (stopped, stop hook sent, slot released by its supervisor) is removed from the API.
+/// Its files are not deleted (they could not be saved, which is no reason to lose them):
+/// its directory, with the guest's disk and whatever the capture wrote, moves to
+/// `<state_dir>/quarantine/` with a log line saying why and where. Returns the error the
+/// call answers with.
+fn remove_stopped(
+    registry: &Registry,
+    entry: &SandboxEntry,
+    id: &str,
+    op: &str,
+    e: OrchError,
+) -> OrchError {
+    registry.unregister(id);
+    entry.set_state(SandboxState::Deleting);
+    let dir = registry.dir(id);
+    let why = format!("{op} failed and the VM could not run on: {e}");
+    let kept = crate::store::quarantine(records::state_dir_of(&dir), &dir, &why);
+    let kept = kept.as_deref().unwrap_or(&dir).display();
+    log::error!("sandboxId={id} op={op} result=stopped kept={kept} error=\"{e}\"");
+    OrchError::Internal(format!(
+        "{e}; the VM could not run on and sandbox {id} was removed; its disk is kept for \
+         the operator (see the server log)"
+    ))
 }
 
 /// The capture a just-committed record holds.
@@ -419,17 +446,17 @@ fn capture_running(
             let _ = std::fs::remove_dir_all(&dir);
             Err(e)
         }
-        Ok(Err(PauseOutcome::Gone(e))) => {
-            registry.unregister(id);
-            entry.set_state(SandboxState::Deleting);
+        Ok(Err(PauseOutcome::Stopped(e))) => {
+            // A complete capture is kept too (it has no snapshot record).
+            if dir.join(vm::capture::STATE_FILE).is_file() {
+                let why = format!("the snapshot of sandbox {id} whose VM could not run on: {e}");
+                crate::store::quarantine(records::state_dir_of(&dir), &dir, &why);
+            }
             let _ = std::fs::remove_dir_all(&dir);
-            let _ = std::fs::remove_dir_all(registry.dir(id));
-            log::error!("sandboxId={id} op=snapshot result=removed error=\"{e}\"");
-            Err(e)
+            Err(remove_stopped(registry, entry, id, "snapshot", e))
         }
-        Ok(Err(PauseOutcome::Paused | PauseOutcome::Uncommitted(..))) | Err(_) => {
-            Err(OrchError::Internal("the sandbox's VM is gone".into()))
-        }
+        Ok(Err(PauseOutcome::Gone(_) | PauseOutcome::Paused | PauseOutcome::Uncommitted(..)))
+        | Err(_) => Err(OrchError::Internal("the sandbox's VM is gone".into())),
     }
 }
 

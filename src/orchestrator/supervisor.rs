@@ -147,6 +147,11 @@ pub(crate) enum PauseOutcome {
     /// The VM could not run on: it was torn down (stop hook, slot released, files
     /// removed). The sandbox must be removed.
     Gone(OrchError),
+    /// The capture failed and the VM could not run on: it was stopped (stop hook with
+    /// reason `failure`, slot released), but its run dir (disk, whatever the capture
+    /// wrote) is kept: nothing stored is deleted because it could not be saved. The
+    /// sandbox must be removed and its run dir quarantined.
+    Stopped(OrchError),
     /// Captured and stopped, but the record could not be committed (retried): the
     /// capture is kept in place and the sandbox can be resumed from it.
     Uncommitted(Box<CaptureRecord>, OrchError),
@@ -529,6 +534,12 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     Err(PauseOutcome::RanOn(e)) => {
                         let _ = reply.send(Err(PauseOutcome::RanOn(e)));
                     }
+                    Err(PauseOutcome::Stopped(e)) => {
+                        runtime.run_dir.keep();
+                        runtime.teardown(launcher, StopReason::Failure);
+                        let _ = reply.send(Err(PauseOutcome::Stopped(e)));
+                        return;
+                    }
                     Err(gone) => {
                         runtime.run_dir.arm();
                         runtime.teardown(launcher, StopReason::Failure);
@@ -608,14 +619,16 @@ fn pause(
             }
         }
         Err(e) => {
-            let _ = std::fs::remove_dir_all(dir);
             let e = OrchError::Internal(format!("pause failed: {e}"));
             if runtime.vm.exited().is_none() && runtime.vm.resume_vcpus().is_ok() {
+                let _ = std::fs::remove_dir_all(dir);
                 (Some(runtime), PauseOutcome::RanOn(e))
             } else {
-                runtime.run_dir.arm();
+                // The guest's disk is all that is left of it: kept, with the rest of the
+                // run dir, for the caller to quarantine.
+                runtime.run_dir.keep();
                 runtime.teardown(launcher, StopReason::Failure);
-                (None, PauseOutcome::Gone(e))
+                (None, PauseOutcome::Stopped(e))
             }
         }
     }
@@ -660,7 +673,7 @@ fn snapshot(
                 "snapshot failed: {e}"
             ))))
         }
-        (_, Err(e)) => Err(PauseOutcome::Gone(OrchError::Internal(format!(
+        (_, Err(e)) => Err(PauseOutcome::Stopped(OrchError::Internal(format!(
             "the VM could not run on after a capture: {e}"
         )))),
     }
