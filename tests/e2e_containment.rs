@@ -1,7 +1,8 @@
 //! End-to-end containment against the real server: a 100-character state dir works (QEMU's
 //! sockets live elsewhere); QEMU runs as agentenv-vm in a mount namespace without the state
 //! dir; a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
-//! start and the first one's sandbox keeps working).
+//! start and the first one's sandbox keeps working); a guest agent that breaks the protocol
+//! gets its sandbox marked while the server and another sandbox carry on.
 //! One server and few cold boots serve every assertion, to keep TCG boots few.
 
 mod common;
@@ -25,6 +26,55 @@ fn hostile_hosts_and_guests_are_contained() {
     qemu_is_unprivileged_and_sees_only_its_own_files(&server, &id);
     console_flood_is_bounded(&server, &id);
     second_server_is_refused(&server, &id);
+    guest_protocol_violation_is_contained(&server, &id);
+}
+
+/// Root in sandbox A makes its guest agent send an oversized frame (the agent's fault
+/// trigger, a file under /run): the server logs the violation, closes A's agent channel
+/// and marks A (`guestProtocolViolation`); the server and sandbox B carry on, and A can
+/// still be deleted.
+fn guest_protocol_violation_is_contained(s: &Server, a: &str) {
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "t", "timeout": 600})),
+    );
+    assert_eq!(code, 201, "{v}");
+    let b = id_of(&v);
+    let detail = |id: &str| s.call("GET", &format!("/sandboxes/{id}"), None).1;
+    assert!(detail(a).get("guestProtocolViolation").is_none());
+    let v = s.exec(a, "touch", &["/run/agentenv-protocol-fault"]);
+    assert_eq!(v["exitCode"], 0, "{v}");
+    assert!(
+        wait_until(Duration::from_secs(10), || detail(a)
+            ["guestProtocolViolation"]
+            .is_string()),
+        "{}\n{}",
+        detail(a),
+        s.log()
+    );
+    let mark = detail(a)["guestProtocolViolation"].to_string();
+    assert!(mark.contains("a Data frame of 65537 bytes"), "{mark}");
+    let log = s.log();
+    assert!(
+        log.lines().any(|l| l.contains(&format!("sandboxId={a}"))
+            && l.contains("result=guest_protocol_violation")),
+        "no log line names the sandbox and the violation:\n{log}"
+    );
+    // A's channel is closed; the server, B and B's mark are untouched.
+    let (code, v) = s.call(
+        "POST",
+        &format!("/sandboxes/{a}/commands"),
+        Some(json!({"cmd": "true"})),
+    );
+    assert_ne!(code, 200, "{v}");
+    assert_eq!(s.exec(&b, "echo", &["b", "runs"])["stdout"], "b runs\n");
+    assert!(detail(&b).get("guestProtocolViolation").is_none());
+    assert_eq!(s.call("GET", "/sandboxes", None).0, 200);
+    for id in [a, b.as_str()] {
+        let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(code, 204, "{v}");
+    }
 }
 
 /// The server's environment (API key, extension token) does not reach QEMU.

@@ -456,3 +456,42 @@ fn boot_microvm_and_exec() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_guest_agent_told_to_break_the_protocol_gets_its_channel_closed() {
+    let trigger = temp_dir("fault").join("break-protocol");
+    let (host, guest) = UnixStream::pair().unwrap();
+    let writer = guest.try_clone().unwrap();
+    let at = trigger.clone();
+    std::thread::spawn(move || {
+        AgentServer::new(Reaper::own_children(), false, Box::new(writer))
+            .with_fault_trigger(&at)
+            .serve(guest, OnEof::Stop)
+    });
+    let client = AgentClient::from_stream(host).unwrap();
+    client.ping(Duration::from_secs(5)).unwrap();
+    // Without the file, commands run as usual.
+    assert_eq!(client.exec(&req("true", &[])).unwrap().exit_code, 0);
+    assert!(client.protocol_violation().is_none());
+    // The command that creates it still gets its answer; then the agent breaks the
+    // protocol, once.
+    let touched = client.exec(&req("touch", &[trigger.to_str().unwrap()]));
+    assert_eq!(touched.unwrap().exit_code, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let violation = loop {
+        if let Some(v) = client.protocol_violation() {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "no protocol violation reported");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        violation.contains("Data frame of 65537 bytes"),
+        "{violation}"
+    );
+    assert!(!trigger.exists(), "the trigger is used up");
+    assert!(matches!(
+        client.ping(Duration::from_secs(5)),
+        Err(AgentError::Protocol(_))
+    ));
+}

@@ -334,7 +334,8 @@ pub fn run_pid1() -> ! {
         started.elapsed().as_millis(),
         port_path.display()
     ));
-    let server = AgentServer::new(reaper, true, Box::new(writer));
+    let server = AgentServer::new(reaper, true, Box::new(writer))
+        .with_fault_trigger(Path::new(super::FAULT_TRIGGER));
     // Armed on this thread, the one that serves the port.
     let host = sys::HostConnectWait::arm(port.as_fd());
     if let Err(e) = &host {

@@ -119,6 +119,10 @@ pub enum OnEof<'a> {
     Wait(&'a dyn Fn()),
 }
 
+/// The file root in the guest creates to make PID 1's agent break the protocol once
+/// ([`AgentServer::with_fault_trigger`]).
+pub const FAULT_TRIGGER: &str = "/run/agentenv-protocol-fault";
+
 /// Serves host calls over one byte stream.
 pub struct AgentServer {
     reaper: Arc<Reaper>,
@@ -126,6 +130,7 @@ pub struct AgentServer {
     set_clock: bool,
     sink: Arc<FrameSink>,
     streams: Arc<Mutex<HashMap<u64, Sender<StreamEvent>>>>,
+    fault_trigger: Option<Arc<std::path::Path>>,
 }
 
 impl AgentServer {
@@ -135,7 +140,18 @@ impl AgentServer {
             set_clock,
             sink: Arc::new(FrameSink::new(writer)),
             streams: Arc::new(Mutex::new(HashMap::new())),
+            fault_trigger: None,
         }
+    }
+
+    /// After each command, if `path` exists, the agent removes it and sends the host a
+    /// `Data` frame one byte over the chunk limit: a guest breaking the agent protocol, on
+    /// demand, to test that the host closes the channel, marks the sandbox and carries on.
+    /// This gives a guest nothing it lacks: the guest is untrusted, and root in it controls
+    /// the guest kernel and can send anything on the port anyway (docs/security.md).
+    pub fn with_fault_trigger(mut self, path: &std::path::Path) -> Self {
+        self.fault_trigger = Some(path.into());
+        self
     }
 
     /// Reads and dispatches frames until EOF (with [`OnEof::Stop`]) or forever.
@@ -215,9 +231,17 @@ impl AgentServer {
             Request::Exec(req) => {
                 let sink = self.sink.clone();
                 let reaper = self.reaper.clone();
-                self.spawn(id, "exec", move || match exec::run(&req, &reaper) {
-                    Ok(result) => sink.response(id, &Response::Exec(result)),
-                    Err(e) => sink.error(id, &e),
+                let fault_trigger = self.fault_trigger.clone();
+                self.spawn(id, "exec", move || {
+                    match exec::run(&req, &reaper) {
+                        Ok(result) => sink.response(id, &Response::Exec(result)),
+                        Err(e) => sink.error(id, &e),
+                    }
+                    // One unlink per command; it succeeds once per trigger file.
+                    if fault_trigger.is_some_and(|p| std::fs::remove_file(&*p).is_ok()) {
+                        let oversized = vec![0; crate::agent::protocol::MAX_CHUNK + 1];
+                        sink.send(&Frame::new(FrameKind::Data, id, oversized));
+                    }
                 });
             }
             Request::ReadFile { path } => {
