@@ -54,7 +54,13 @@ have_systemd() { [ "$SYSTEM" = 1 ] && [ -d /run/systemd/system ] && command -v s
 ensure_vm_user() {
   getent passwd "$VM_USER" >/dev/null \
     || useradd --system --user-group --no-create-home --home-dir /nonexistent \
-         --shell /usr/sbin/nologin "$VM_USER"
+         --shell /usr/sbin/nologin "$VM_USER" || return
+  # Each QEMU runs as a uid of its own from this range (docs/security.md).
+  grep -qs "^$VM_USER:" /etc/subuid && return
+  first=$(awk -F: 'BEGIN { m = 100000 } $2 + $3 > m { m = $2 + $3 } END { print m }' /etc/subuid 2>/dev/null)
+  first=${first:-100000}
+  usermod --add-subuids "$first-$((first + 65535))" "$VM_USER" \
+    || die "cannot reserve subordinate uids for $VM_USER"
 }
 
 check_host() {

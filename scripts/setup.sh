@@ -66,6 +66,14 @@ getent passwd agentenv-vm >/dev/null \
   || useradd --system --user-group --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin agentenv-vm \
   || die "cannot create the system account agentenv-vm"
+# Each QEMU runs as a uid of its own from the account's subordinate uid range
+# (docs/security.md); install.sh reserves it alike.
+if ! grep -qs '^agentenv-vm:' /etc/subuid; then
+  first=$(awk -F: 'BEGIN { m = 100000 } $2 + $3 > m { m = $2 + $3 } END { print m }' /etc/subuid 2>/dev/null)
+  first=${first:-100000}
+  usermod --add-subuids "$first-$((first + 65535))" agentenv-vm \
+    || die "cannot reserve subordinate uids for agentenv-vm"
+fi
 
 step "guest kernel into $ASSETS"
 # The state dir holds guest disks and memory: private (the server tightens it too).

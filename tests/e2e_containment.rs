@@ -1,5 +1,5 @@
 //! End-to-end containment against the real server: a 100-character state dir works (QEMU's
-//! sockets live elsewhere); QEMU runs as agentenv-vm in a mount namespace without the state
+//! sockets live elsewhere); each QEMU runs as a uid of its own with agentenv-vm's group, in a mount namespace without the state
 //! dir; a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
 //! start and the first one's sandbox keeps working); a guest agent that breaks the protocol
 //! gets its sandbox marked while the server and another sandbox carry on.
@@ -85,10 +85,11 @@ fn qemu_gets_an_empty_environment(id: &str) {
     assert!(environ.is_empty(), "{}", String::from_utf8_lossy(&environ));
 }
 
-/// QEMU runs as agentenv-vm with no groups, no capabilities and no_new_privs, in a mount
-/// namespace of its own without the state dir: from inside it, as that account (and even as
-/// root), another sandbox's disk and the state dir cannot be opened; outside it the account
-/// cannot open them either.
+/// QEMU runs as a uid of its own (from agentenv-vm's subordinate range; another sandbox's
+/// QEMU has another) with agentenv-vm's group, no other groups, no capabilities and
+/// no_new_privs, in a mount namespace of its own without the state dir: from inside it, as
+/// that uid (and even as root), another sandbox's disk and the state dir cannot be opened;
+/// outside it the uid cannot open them either.
 fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
     let (code, v) = s.call(
         "POST",
@@ -100,22 +101,49 @@ fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
     let pids = qemu_processes_with(&format!("sandboxes/{id}"));
     assert_eq!(pids.len(), 1, "{pids:?}");
     let pid = pids[0];
-    let uid = host("id", &["-u", "agentenv-vm"]).trim().to_string();
+    let account = host("id", &["-u", "agentenv-vm"]).trim().to_string();
     let gid = host("id", &["-g", "agentenv-vm"]).trim().to_string();
     assert!(
-        !uid.is_empty() && uid != "0",
+        !account.is_empty() && account != "0",
         "no agentenv-vm account: run scripts/setup.sh"
     );
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
+    // Each QEMU has a uid of its own from the account's subordinate range.
+    let subuid = std::fs::read_to_string("/etc/subuid").unwrap_or_default();
+    let (first, count): (u32, u32) = subuid
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.len() == 3 && (f[0] == "agentenv-vm" || f[0] == account))
+                .then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
+        })
+        .expect("agentenv-vm has no subordinate uid range: run scripts/setup.sh");
+    let status_of = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field_of = |status: &str, name: &str| {
         status
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{name}:")))
             .unwrap_or_else(|| panic!("no {name} in {status}"))
             .split_whitespace()
+            .map(str::to_string)
             .collect::<Vec<_>>()
     };
+    let status = status_of(pid);
+    let field = |name: &str| field_of(&status, name);
+    let uid = field("Uid")[0].clone();
     assert_eq!(field("Uid"), [uid.as_str(); 4], "{status}");
+    let n: u32 = uid.parse().unwrap();
+    assert!(
+        (first..first + count).contains(&n),
+        "QEMU runs as {n}, not a uid of agentenv-vm's range {first}+{count}"
+    );
+    let other_pids = qemu_processes_with(&format!("sandboxes/{other}"));
+    assert_eq!(other_pids.len(), 1, "{other_pids:?}");
+    let other_uid = field_of(&status_of(other_pids[0]), "Uid");
+    assert_ne!(other_uid[0], uid, "two QEMUs share a uid");
+    assert_eq!(
+        field_of(&status_of(other_pids[0]), "Gid"),
+        [gid.as_str(); 4]
+    );
     assert_eq!(field("Gid"), [gid.as_str(); 4], "{status}");
     assert!(field("Groups").is_empty(), "{status}");
     for caps in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {

@@ -9,6 +9,7 @@
 //! - [`capture`]: capture (pause, snapshot) and restore (resume, clone), with the record
 //!   the orchestrator stores.
 //! - [`console`]: the tail of a guest's console log, for error reports.
+//! - `uids`: a uid of its own for each QEMU process.
 
 use std::fmt;
 use std::io;
@@ -21,6 +22,7 @@ pub mod console;
 pub mod disk;
 pub mod qemu;
 pub mod qmp;
+mod uids;
 
 #[cfg(test)]
 mod boot_tests;

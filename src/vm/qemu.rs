@@ -11,7 +11,8 @@
 //!
 //! # Confinement
 //!
-//! QEMU runs as the unprivileged account [`VM_USER`] (no supplementary groups, no
+//! QEMU runs as a uid of its own from the subordinate range of the unprivileged account
+//! [`VM_USER`] (see `uids`), with that account's group (no supplementary groups, no
 //! capabilities, `PR_SET_NO_NEW_PRIVS`), with an empty environment, in a mount namespace
 //! of its own whose root holds only `/usr` (binary, libraries, firmware), the guest kernel
 //! and initramfs, a few device nodes and, for a VM with file-backed RAM, that one file
@@ -717,6 +718,8 @@ pub struct Vm {
     pub(crate) facts: VmFacts,
     /// Migration parameters have been set for fast saves.
     pub(crate) migration_tuned: bool,
+    /// QEMU's own uid; given back after the process is reaped ([`Vm`]'s drop runs first).
+    _uid: Option<super::uids::UidLease>,
 }
 
 impl Vm {
@@ -790,6 +793,11 @@ impl Vm {
             let kvm = std::fs::metadata("/dev/kvm")
                 .map_err(|e| VmError::io("cannot stat /dev/kvm", e))?;
             credentials.extra_group = Some(kvm.gid());
+        }
+        // A uid of its own (see `uids`), given back once the process is reaped.
+        let uid = super::uids::lease(VM_USER, credentials.uid);
+        if let Some(lease) = &uid {
+            credentials.uid = lease.uid;
         }
         let sockets = SocketDir::create()?;
         let paths = RunPaths::new(&spec.run_dir, &sockets.path);
@@ -911,8 +919,11 @@ impl Vm {
         let qmp = connect_qmp(guard.0.as_mut().expect("set above"), &paths)?;
         let child = guard.0.take().expect("set above");
         log::info!(
-            "vm op=spawn pid={pid} user={VM_USER} accel={} cpus={} memoryMb={} kernel={} \
-             runDir={} incoming={} qmpMs={}",
+            "vm op=spawn pid={pid} user={VM_USER} uid={} accel={} cpus={} memoryMb={} \
+             kernel={} runDir={} incoming={} qmpMs={}",
+            uid.as_ref()
+                .map(|l| l.uid.to_string())
+                .unwrap_or_else(|| VM_USER.into()),
             spec.accel.name(),
             spec.cpu_count,
             spec.memory_mb,
@@ -944,6 +955,7 @@ impl Vm {
             accel: spec.accel,
             facts,
             migration_tuned: false,
+            _uid: uid,
         })
     }
 
