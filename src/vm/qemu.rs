@@ -246,7 +246,7 @@ const PIT_STOP: [(u16, u8); 3] = [(0x43, 0x30), (0x40, 0), (0x40, 0)];
 /// nothing under KVM).
 ///
 /// The guest kernel needs the PIT while it boots; afterwards it runs on the TSC-deadline
-/// LAPIC timer and never touches the PIT again. Kernels before 6.12 leave channel 0 as
+/// LAPIC timer and never touches the PIT again. The guest kernel (6.1) leaves channel 0 as
 /// reset left it (mode 3, an 18.2 Hz square wave), so QEMU went on toggling its masked
 /// interrupt line: a main-loop timer firing 36 times a second in every idle guest, most of
 /// an idle QEMU's CPU. These are the port writes newer kernels make themselves at boot
