@@ -21,9 +21,10 @@ use agentenv::config::AccelMode;
 use agentenv::image::ImageStore;
 use agentenv::vm;
 use common::{
-    field, load_average, median, ms_since, p90, BenchServer, Floor, FloorTemplate, HookExtension,
-    DISK_MB, SETTLE,
+    field, load_average, median, ms_since, p90, BenchServer, Floor, FloorTemplate, FloorVm,
+    HookExtension, DISK_MB, MEMORY_MB, SETTLE, STEP_TIMEOUT,
 };
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 fn main() {
@@ -207,8 +208,11 @@ fn main() {
          the guest agent over its virtio-serial socket. create = fresh overlay + spawn with \
          `-incoming defer` + migrate-incoming + cont + the agent's first answer (built \
          template: RAM mapped copy-on-write from the floor template's RAM file); first \
-         command = `true` through the agent; pause = stop + migrate to file + quit (exited); \
-         resume = as create, from the paused state; snapshot = stop + migrate to file + cont."
+         command = `true` through the agent; pause (template clone) = stop + \
+         `xen-save-devices-state` + the pages changed since the template (pagemap, \
+         process_vm_readv) to a file + quit (exited); resume = spawn over the template's RAM \
+         file + the template's state + those pages written back + `xen-load-devices-state` \
+         + cont + the agent's first answer; snapshot = stop + migrate to file + cont."
     );
     println!(
         "start-resume hooks answered by the local extension: {start_resumes} (expected {}); \
@@ -515,8 +519,12 @@ fn product_user_path(
 }
 
 /// The path users take, on one clone of `template` in `dir` (removed at the end): the
-/// floor of [`product_user_path`]. Also returns the bytes the dirty pause wrote.
+/// floor of [`product_user_path`]. Pause and resume do by hand what the product's
+/// dirty-only pause does (device state + the pages changed since the template; resume =
+/// the template's state, those pages, the device state), without fsync. Also returns the
+/// bytes the dirty pause wrote.
 fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (UserPath, f64) {
+    let memory = template.memory.as_deref().expect("a RAM-file template");
     let mut p = UserPath::default();
     let t = Instant::now();
     let (mut vm, create) = floor.clone_template(template, dir);
@@ -525,18 +533,71 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     p.create_to_first = ms_since(t);
     p.next_command = vm.exec("true");
     std::thread::sleep(SETTLE);
-    let paused = dir.join("paused.bin");
-    p.pause_idle = vm.pause(&paused);
+    let (devices, pages) = (dir.join("devices.bin"), dir.join("memory.pages"));
+    p.pause_idle = floor_pause_dirty(&mut vm, memory, &devices, &pages);
     let disk = dir.join("disk.qcow2");
     let t = Instant::now();
-    let (mut vm, resume) = floor.restore(dir, &disk, &paused, None);
-    p.resume = resume;
+    let mut vm = floor_resume_dirty(floor, dir, &disk, template, &devices, &pages);
+    p.resume = ms_since(t);
     vm.exec("true");
     p.resume_to_first = ms_since(t);
     vm.exec(DIRTY_32M);
-    p.pause_dirty = vm.pause(&paused);
-    let bytes = std::fs::metadata(&paused).unwrap().len() as f64;
+    p.pause_dirty = floor_pause_dirty(&mut vm, memory, &devices, &pages);
+    let bytes = [&devices, &pages]
+        .iter()
+        .map(|f| std::fs::metadata(f).unwrap().len() as f64)
+        .sum();
     drop(vm);
     std::fs::remove_dir_all(dir).unwrap();
     (p, bytes)
+}
+
+/// `command` with a `filename` naming a new fd set that holds `file`.
+fn floor_with_fdset(vm: &mut FloorVm, file: &std::fs::File, command: &str) {
+    let fdset = vm.qmp.add_fd(file.as_fd(), command).unwrap();
+    let filename = format!("/dev/fdset/{fdset}");
+    let args = if command == "xen-save-devices-state" {
+        serde_json::json!({ "filename": filename, "live": false })
+    } else {
+        serde_json::json!({ "filename": filename })
+    };
+    vm.qmp.execute(command, Some(args)).unwrap();
+    vm.qmp.remove_fd(fdset).unwrap();
+}
+
+/// Dirty-only pause by hand: stop, device state, the clone's private pages, quit.
+fn floor_pause_dirty(vm: &mut FloorVm, memory: &Path, devices: &Path, pages: &Path) -> f64 {
+    vm.client = None;
+    let t = Instant::now();
+    vm.qmp.stop().unwrap();
+    let file = std::fs::File::create(devices).unwrap();
+    floor_with_fdset(vm, &file, "xen-save-devices-state");
+    vm::dirty::save_pages(vm.child.id(), memory, u64::from(MEMORY_MB) << 20, pages).unwrap();
+    vm.qmp.quit().unwrap();
+    vm.child.wait().unwrap();
+    ms_since(t)
+}
+
+/// Dirty-only resume by hand, to the agent's first answer.
+fn floor_resume_dirty(
+    floor: &Floor,
+    dir: &Path,
+    disk: &Path,
+    template: &FloorTemplate,
+    devices: &Path,
+    pages: &Path,
+) -> FloorVm {
+    let memory = template.memory.as_deref().expect("a RAM-file template");
+    let mut vm = floor.spawn(dir, disk, true, Some((memory, false)));
+    vm.qmp.migrate_incoming_file(&template.state).unwrap();
+    vm.qmp.wait_status("paused", STEP_TIMEOUT).unwrap();
+    vm::dirty::write_back_pages(vm.child.id(), memory, u64::from(MEMORY_MB) << 20, pages).unwrap();
+    let file = std::fs::File::open(devices).unwrap();
+    floor_with_fdset(&mut vm, &file, "xen-load-devices-state");
+    vm.qmp.cont().unwrap();
+    vm.client = Some(
+        agentenv::agent::AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)
+            .expect("the floor VM's agent did not answer after a dirty resume"),
+    );
+    vm
 }

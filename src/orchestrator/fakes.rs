@@ -57,6 +57,7 @@ pub(crate) fn capture() -> crate::vm::CaptureRecord {
         disk_virtual_bytes: 0,
         disk_allocated_bytes: 0,
         disk_frozen: false,
+        dirty: None,
     }
 }
 

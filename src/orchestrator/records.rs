@@ -171,10 +171,12 @@ fn missing_files(record: &SandboxRecord) -> Option<PathBuf> {
     let Some(c) = &record.paused else {
         return Some(PathBuf::from(PAUSED_DIR));
     };
-    [&c.state_file, &c.disk]
+    c.capture_files()
         .into_iter()
+        .map(|(_, path)| path)
+        .chain([c.disk.as_path()])
         .find(|p| !p.is_file())
-        .cloned()
+        .map(Path::to_path_buf)
 }
 
 #[cfg(test)]
@@ -202,6 +204,7 @@ mod tests {
             disk_virtual_bytes: 0,
             disk_allocated_bytes: 0,
             disk_frozen: false,
+            dirty: None,
         };
         let rel = relative_capture(&capture, Path::new("/srv/state"));
         assert_eq!(rel.kernel, Path::new("/opt/assets/vmlinuz"));

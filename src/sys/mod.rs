@@ -13,6 +13,7 @@ pub mod jail;
 pub mod netlink;
 pub mod netns;
 pub mod process;
+pub mod procmem;
 pub mod signals;
 pub mod tun;
 

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use super::dirty::{DirtyMemory, DIRTY_FORMAT};
 use super::disk::{self, disk_chain, DiskChain, MAX_CHAIN_LAYERS};
 use super::qemu::{Incoming, Launch, MemoryFile, Vm, VmSpec};
 use super::{Accel, VmError};
@@ -36,7 +37,7 @@ const PARTIAL_SUFFIX: &str = ".partial";
 pub const CAPTURE_FORMAT: u32 = 1;
 /// Migration bandwidth cap during a capture: effectively none (QEMU's default is
 /// 128 MiB/s, several times slower than writing the file).
-const CAPTURE_BANDWIDTH: u64 = 64 << 30;
+pub(crate) const CAPTURE_BANDWIDTH: u64 = 64 << 30;
 /// Every capture and restore migrates with `x-ignore-shared`: RAM mapped shared from a
 /// file is left out of the state file (the file holds it), anonymous or privately mapped
 /// RAM is saved as usual, and since both ends always agree on the stream format, any state
@@ -99,6 +100,11 @@ pub struct CaptureRecord {
     pub disk_allocated_bytes: u64,
     /// Whether the disk was frozen (`Freeze`) or left in place (`InPlace`).
     pub disk_frozen: bool,
+    /// A dirty-only pause (format [`DIRTY_FORMAT`], see [`super::dirty`]): `state_file`
+    /// holds the device state only, the RAM is `memory_file` (the template's) with these
+    /// pages over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty: Option<DirtyMemory>,
 }
 
 impl CaptureRecord {
@@ -113,8 +119,27 @@ impl CaptureRecord {
             disk: f(&self.disk),
             disk_layers: self.disk_layers.iter().map(|p| f(p)).collect(),
             disk_base: self.disk_base.as_deref().map(&f),
+            dirty: self.dirty.as_ref().map(|d| DirtyMemory {
+                base_state: f(&d.base_state),
+                pages_file: f(&d.pages_file),
+                ..d.clone()
+            }),
             ..self.clone()
         }
+    }
+
+    /// The files holding the captured RAM and device state (not the disk, the kernel or
+    /// the initramfs), with what each is.
+    pub fn capture_files(&self) -> Vec<(&'static str, &Path)> {
+        let mut files = vec![("saved VM state", self.state_file.as_path())];
+        if let Some(memory) = &self.memory_file {
+            files.push(("captured guest RAM", memory));
+        }
+        if let Some(dirty) = &self.dirty {
+            files.push(("template state", &dirty.base_state));
+            files.push(("changed guest pages", &dirty.pages_file));
+        }
+        files
     }
 }
 
@@ -302,12 +327,9 @@ impl Vm {
         }
 
         let sync = Instant::now();
-        let (disk_layers, disk_base) = match disk {
-            DiskCapture::InPlace => (chain.layers.clone(), chain.base.clone()),
-            DiskCapture::Freeze => {
-                let links = disk::link_layers(&chain.layers, dir)?;
-                (links, chain.base.clone())
-            }
+        let disk_layers = match disk {
+            DiskCapture::InPlace => chain.layers.clone(),
+            DiskCapture::Freeze => disk::link_layers(&chain.layers, dir)?,
         };
         fsync_dir(dir)?;
         if let Some(memory) = self.facts.memory.as_ref().filter(|m| m.shared) {
@@ -317,31 +339,13 @@ impl Vm {
         stats.frozen_ms = ms(stopped.elapsed());
         stats.total_ms = ms(started.elapsed());
 
-        let record = CaptureRecord {
-            format: CAPTURE_FORMAT,
-            captured_at_unix_ms: unix_ms_now(),
-            kernel: self.facts.kernel.clone(),
-            initramfs: self.facts.initramfs.clone(),
-            kernel_cmdline: self.facts.kernel_cmdline.clone(),
-            cpu_count: self.facts.cpu_count,
-            memory_mb: self.facts.memory_mb,
-            accel: self.accel().name().into(),
-            nic: self.facts.tap.is_some(),
-            state_file: state,
-            state_bytes: stats.state_bytes,
-            memory_file: self
-                .facts
-                .memory
-                .as_ref()
-                .filter(|m| m.shared)
-                .map(|m| m.path.clone()),
-            disk: disk_layers.last().cloned().expect("a chain has a top"),
-            disk_allocated_bytes: allocated_bytes(&disk_layers),
+        let record = self.record(
+            state,
+            stats.state_bytes,
+            &chain,
             disk_layers,
-            disk_base,
-            disk_virtual_bytes: chain.virtual_size,
-            disk_frozen: disk == DiskCapture::Freeze,
-        };
+            disk == DiskCapture::Freeze,
+        );
         log::info!(
             "vm op=capture pid={} result=ok dir={} disk={disk:?} stateBytes={} stopMs={} \
              diskMs={} migrateMs={} syncMs={} frozenMs={} totalMs={}",
@@ -356,6 +360,44 @@ impl Vm {
             stats.total_ms
         );
         Ok((record, stats))
+    }
+
+    /// The record of a capture made now into `state`, with `disk_layers` (the chain's own,
+    /// or their links) over `chain`'s base.
+    pub(crate) fn record(
+        &self,
+        state: PathBuf,
+        state_bytes: u64,
+        chain: &DiskChain,
+        disk_layers: Vec<PathBuf>,
+        disk_frozen: bool,
+    ) -> CaptureRecord {
+        CaptureRecord {
+            format: CAPTURE_FORMAT,
+            captured_at_unix_ms: unix_ms_now(),
+            kernel: self.facts.kernel.clone(),
+            initramfs: self.facts.initramfs.clone(),
+            kernel_cmdline: self.facts.kernel_cmdline.clone(),
+            cpu_count: self.facts.cpu_count,
+            memory_mb: self.facts.memory_mb,
+            accel: self.accel().name().into(),
+            nic: self.facts.tap.is_some(),
+            state_file: state,
+            state_bytes,
+            memory_file: self
+                .facts
+                .memory
+                .as_ref()
+                .filter(|m| m.shared)
+                .map(|m| m.path.clone()),
+            disk: disk_layers.last().cloned().expect("a chain has a top"),
+            disk_allocated_bytes: allocated_bytes(&disk_layers),
+            disk_layers,
+            disk_base: chain.base.clone(),
+            disk_virtual_bytes: chain.virtual_size,
+            disk_frozen,
+            dirty: None,
+        }
     }
 
     /// The part of a capture with the vCPUs stopped, up to the renamed state file.
@@ -432,7 +474,19 @@ impl Vm {
     /// Pause: capture into `dir` with the disk in place, then quit (QEMU exits while the
     /// state file is fsync'd). On an error before the state was written the VM is left
     /// stopped (QEMU running): the caller may resume it or kill it.
+    ///
+    /// A VM whose RAM is a template's file mapped copy-on-write saves only the device state
+    /// and the pages changed since the template ([`super::dirty`]).
     pub fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        if self.can_pause_dirty() {
+            match self.link_base() {
+                Ok(base) => return self.pause_dirty(dir, base),
+                Err(e) => log::warn!(
+                    "vm op=pause pid={} dirty=false reason=\"cannot link the template's files: {e}\"",
+                    self.pid()
+                ),
+            }
+        }
         let started = Instant::now();
         let (record, mut stats) = self.capture_then(dir, DiskCapture::InPlace, true)?;
         stats.total_ms = ms(started.elapsed());
@@ -492,9 +546,17 @@ impl Vm {
     /// `paused` (vCPUs not run yet).
     pub fn load_incoming(&mut self, record: &CaptureRecord) -> Result<u64, VmError> {
         let started = Instant::now();
+        if let Some(dirty) = &record.dirty {
+            self.load_dirty(record, dirty)?;
+            return Ok(ms(started.elapsed()));
+        }
         self.qmp().migrate_set_capabilities(MIGRATION_CAPS)?;
         self.qmp().migrate_incoming_file(&record.state_file)?;
         self.qmp().wait_status("paused", RESTORE_TIMEOUT)?;
+        // A clone of a template: its pause may save only what changed since this state.
+        if record.memory_file.is_some() {
+            self.facts.base_state = Some(record.state_file.clone());
+        }
         Ok(ms(started.elapsed()))
     }
 
@@ -564,11 +626,16 @@ pub fn chain_too_deep(chain: &DiskChain) -> bool {
 }
 
 fn check_restorable(record: &CaptureRecord, spec: &RestoreSpec) -> Result<(), VmError> {
-    if record.format != CAPTURE_FORMAT {
-        return Err(VmError::InvalidSpec(format!(
-            "capture format {} is not supported (this build reads {CAPTURE_FORMAT})",
-            record.format
-        )));
+    let dirty_ok = record.dirty.is_some() && record.memory_file.is_some();
+    match record.format {
+        CAPTURE_FORMAT if record.dirty.is_none() => {}
+        DIRTY_FORMAT if dirty_ok => {}
+        format => {
+            return Err(VmError::InvalidSpec(format!(
+                "capture format {format} is not supported here (this build reads \
+                 {CAPTURE_FORMAT}, and {DIRTY_FORMAT} with a template's RAM file and pages)"
+            )))
+        }
     }
     if record.accel != spec.accel.name() {
         return Err(VmError::InvalidSpec(format!(
@@ -583,23 +650,14 @@ fn check_restorable(record: &CaptureRecord, spec: &RestoreSpec) -> Result<(), Vm
             if record.nic { "had" } else { "had no" }
         )));
     }
-    for (what, path) in [
-        ("saved VM state", &record.state_file),
-        ("guest kernel", &record.kernel),
-        ("initramfs", &record.initramfs),
-    ] {
+    let mut files = record.capture_files();
+    files.push(("guest kernel", &record.kernel));
+    files.push(("initramfs", &record.initramfs));
+    for (what, path) in files {
         if !path.is_file() {
             return Err(VmError::MissingAsset {
                 what,
-                path: path.clone(),
-            });
-        }
-    }
-    if let Some(memory) = &record.memory_file {
-        if !memory.is_file() {
-            return Err(VmError::MissingAsset {
-                what: "captured guest RAM",
-                path: memory.clone(),
+                path: path.to_path_buf(),
             });
         }
     }
@@ -665,6 +723,7 @@ mod tests {
             disk_virtual_bytes: 1 << 30,
             disk_allocated_bytes: 4096,
             disk_frozen: true,
+            dirty: None,
         };
         let json = serde_json::to_string(&record).unwrap();
         assert!(

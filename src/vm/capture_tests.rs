@@ -257,3 +257,138 @@ fn pause_resume_snapshot_clone_with_the_real_guest() {
     drop(a);
     vm.kill();
 }
+
+/// Dirty-only pause and resume of a template clone: the pause writes the device state
+/// and the pages changed since the template only; the resume maps the template's RAM
+/// file again (even after the template itself was deleted) and the guest sees exactly
+/// its data and processes, twice over.
+#[test]
+fn dirty_pause_resume_of_a_template_clone() {
+    if !have_assets() {
+        return;
+    }
+    let root = std::env::temp_dir().join(format!("aenv-dirty-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let _scratch = Scratch(root.clone());
+    let images = crate::image::ImageStore::new(root.join("images"));
+    let image = images
+        .prepare_rootfs(&format!("oci:{ASSETS}/base-image"), 1024)
+        .unwrap();
+
+    // The template: booted with its RAM in a shared file, 4 MiB of non-zero data in
+    // tmpfs, captured (no RAM in the state file) and quit.
+    let template = root.join("template");
+    std::fs::create_dir_all(&template).unwrap();
+    create_overlay(&image.base_disk, &template.join("disk.qcow2"), 1024).unwrap();
+    let assets = Path::new(ASSETS);
+    let spec = VmSpec {
+        run_dir: template.join("run"),
+        kernel: guest_kernel(assets),
+        initramfs: assets.join("initramfs.img"),
+        kernel_args: vec!["agentenv.port=49983".into()],
+        cpu_count: 1,
+        memory_mb: 256,
+        disk: template.join("disk.qcow2"),
+        netns: None,
+        tap: None,
+        accel: detect_accel(AccelMode::Auto).unwrap(),
+        qemu_binary: "qemu-system-x86_64".into(),
+    };
+    let memory = MemoryFile {
+        path: template.join("memory.ram"),
+        shared: true,
+    };
+    let mut vm = Vm::spawn_with_memory_file(spec, &memory).unwrap();
+    let a = agent(&vm);
+    sh(&a, "yes template-page | head -c 4194304 > /dev/shm/zeroed");
+    drop(a);
+    let capture_dir = template.join("capture");
+    let (tmpl, _) = vm.capture(&capture_dir, DiskCapture::Freeze).unwrap();
+    vm.quit().unwrap();
+    drop(vm);
+    assert!(tmpl.memory_file.is_some() && tmpl.dirty.is_none());
+
+    // A clone: it pauses dirty-only. Idle first.
+    let clone = root.join("clone");
+    let (mut vm, a, _) = clone_from(&tmpl, &clone);
+    let run = clone.join("run");
+    let sleeper = sh(&a, "sleep 1000 >/dev/null 2>&1 & echo $!");
+    drop(a);
+    std::thread::sleep(Duration::from_secs(1));
+    let paused_dir = clone.join("paused");
+    let (idle, stats) = vm.pause(&paused_dir).unwrap();
+    eprintln!("idle dirty pause {stats:?} pages={:?}", idle.dirty);
+    assert!(vm.try_wait().is_some(), "QEMU still runs after pause");
+    drop(vm);
+    let dirty = idle
+        .dirty
+        .clone()
+        .expect("a template clone pauses dirty-only");
+    assert_eq!(idle.format, dirty::DIRTY_FORMAT);
+    assert_eq!(
+        idle.memory_file.as_deref(),
+        Some(&*run.join("template-memory.ram"))
+    );
+    assert_eq!(dirty.base_state, run.join("template-state.bin"));
+    assert!(
+        idle.state_bytes < 24 << 20,
+        "an idle clone wrote {} bytes",
+        idle.state_bytes
+    );
+
+    // The template goes away: the paused clone keeps its links.
+    std::fs::remove_dir_all(&template).unwrap();
+
+    // Resume, then dirty 16 MiB, zero a page range the template had data in, pause.
+    let (mut vm, _) = Vm::restore(&idle, restore_spec(run.clone(), idle.disk.clone())).unwrap();
+    vm.resume_vcpus().unwrap();
+    let a = agent(&vm);
+    assert_eq!(sh(&a, &format!("kill -0 {sleeper} && echo alive")), "alive");
+    assert_eq!(
+        sh(&a, "head -c 4194304 /dev/shm/zeroed | md5sum"),
+        sh(&a, "yes template-page | head -c 4194304 | md5sum")
+    );
+    let pattern = sh(
+        &a,
+        "head -c 16777216 /dev/urandom > /dev/shm/pattern && md5sum < /dev/shm/pattern",
+    );
+    sh(
+        &a,
+        "dd if=/dev/zero of=/dev/shm/zeroed bs=1M count=4 conv=notrunc 2>/dev/null",
+    );
+    let zeros = sh(&a, "head -c 4194304 /dev/zero | md5sum");
+    drop(a);
+    let (busy, stats) = vm.pause(&paused_dir).unwrap();
+    eprintln!("dirty pause after 16 MiB {stats:?}");
+    drop(vm);
+    let pages = busy.dirty.as_ref().unwrap().pages;
+    assert!(
+        pages * dirty::PAGE_SIZE >= 16 << 20,
+        "only {pages} pages saved after 16 MiB written"
+    );
+
+    // Resume twice: the data, the zeroed pages and the process are there each time, and
+    // the written-back pages count as changed again (no chain of captures).
+    let mut record = busy;
+    for round in 0..2 {
+        let (mut vm, rstats) =
+            Vm::restore(&record, restore_spec(run.clone(), record.disk.clone())).unwrap();
+        eprintln!("dirty resume {round} {rstats:?}");
+        assert_eq!(vm.qmp().query_status().unwrap(), "paused");
+        vm.resume_vcpus().unwrap();
+        let a = agent(&vm);
+        assert_eq!(sh(&a, "md5sum < /dev/shm/pattern"), pattern);
+        assert_eq!(sh(&a, "md5sum < /dev/shm/zeroed"), zeros);
+        assert_eq!(sh(&a, &format!("kill -0 {sleeper} && echo alive")), "alive");
+        drop(a);
+        let (next, _) = vm.pause(&paused_dir).unwrap();
+        drop(vm);
+        let next_pages = next.dirty.as_ref().unwrap().pages;
+        assert!(
+            next_pages >= pages,
+            "round {round}: {next_pages} pages saved, {pages} before"
+        );
+        record = next;
+    }
+}

@@ -8,6 +8,8 @@
 //! - [`disk`]: qcow2 overlays over a raw base image, disk chains, clone disks.
 //! - [`capture`]: capture (pause, snapshot) and restore (resume, clone), with the record
 //!   the orchestrator stores.
+//! - [`dirty`]: dirty-only pause and resume of template clones (only the pages changed
+//!   since the template are written and read back).
 //! - [`console`]: the tail of a guest's console log, for error reports.
 //! - `uids`: a uid of its own for each QEMU process.
 
@@ -19,6 +21,7 @@ use std::process::ExitStatus;
 pub mod accel;
 pub mod capture;
 pub mod console;
+pub mod dirty;
 pub mod disk;
 pub mod qemu;
 pub mod qmp;

@@ -515,7 +515,9 @@ fn build_argv(
             push(&["-add-fd", &format!("fd={fd},set={fd},opaque=incoming")]);
             push(&["-incoming", &format!("file:/dev/fdset/{fd}")]);
         }
-        Incoming::Defer => push(&["-incoming", "defer"]),
+        // -S: a state whose global state says "running" (a dirty-only pause's, see
+        // super::dirty) still waits `paused` after the load; others say `paused` anyway.
+        Incoming::Defer => push(&["-incoming", "defer", "-S"]),
     }
     Ok(argv)
 }
@@ -701,6 +703,12 @@ pub(crate) struct VmFacts {
     pub disk_nodes_added: usize,
     pub tap: Option<String>,
     pub memory: Option<MemoryFile>,
+    /// The VM's run dir.
+    pub run_dir: PathBuf,
+    /// The template state this VM was restored from, when its RAM is that template's
+    /// file mapped privately: what a dirty-only pause saves against (see
+    /// [`super::dirty`]).
+    pub base_state: Option<PathBuf>,
 }
 
 /// A running QEMU process and its QMP session. Dropping it kills and reaps the process.
@@ -944,6 +952,8 @@ impl Vm {
             disk_nodes_added: node_count,
             tap: spec.tap,
             memory,
+            run_dir: spec.run_dir,
+            base_state: None,
         };
         Ok(Vm {
             child,
