@@ -377,26 +377,71 @@ fn templates_from_images(s: &Server, ext: &Extension) {
         ),
         "template\nrunning\n"
     );
-    // The template's RAM file is mapped copy-on-write by the clone; a pause saves the
-    // clone's own RAM, so it resumes even after the template is gone.
+    // The template's RAM file is mapped copy-on-write by the clone; a pause saves only
+    // the device state and the pages the clone changed (dirty-only), and links the
+    // template's files into the sandbox's dir, so it resumes even after the template is
+    // gone.
     sh(s, &id, "echo clone > /dev/shm/c");
+    let paused = s.state_dir.join("sandboxes").join(&id).join("paused");
+    let written = |what: &str| -> u64 {
+        ["state.bin", "memory.pages"]
+            .iter()
+            .map(|f| {
+                std::fs::metadata(paused.join(f))
+                    .unwrap_or_else(|e| panic!("{what}: {}/{f}: {e}", paused.display()))
+                    .len()
+            })
+            .sum()
+    };
     assert_eq!(
         s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
         204
     );
+    let idle = written("idle pause");
+    assert!(
+        idle < 24 << 20,
+        "an idle template clone's pause wrote {idle} bytes"
+    );
     assert_eq!(s.call("DELETE", "/templates/built", None).0, 204);
-    assert_eq!(
-        s.call("POST", &format!("/sandboxes/{id}/resume"), None).0,
-        201
-    );
-    assert_eq!(
-        sh(
-            s,
-            &id,
-            "cat /root/built /dev/shm/c; pidof sleep >/dev/null && echo running"
-        ),
-        "template\nclone\nrunning\n"
-    );
+    for round in 0..2 {
+        assert_eq!(
+            s.call("POST", &format!("/sandboxes/{id}/resume"), None).0,
+            201
+        );
+        assert_eq!(
+            sh(
+                s,
+                &id,
+                "cat /root/built /dev/shm/c; pidof sleep >/dev/null && echo running"
+            ),
+            "template\nclone\nrunning\n",
+            "round {round}"
+        );
+        if round == 0 {
+            // 8 MiB the template never had; they must come back on the next resume.
+            sh(
+                s,
+                &id,
+                "head -c 8388608 /dev/urandom > /dev/shm/r; md5sum /dev/shm/r > /root/r.md5",
+            );
+        } else {
+            assert_eq!(
+                sh(s, &id, "md5sum -c /root/r.md5 >/dev/null && echo same"),
+                "same\n"
+            );
+        }
+        if round == 0 {
+            assert_eq!(
+                s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
+                204
+            );
+            let busy = written("pause after 8 MiB");
+            assert!(
+                busy >= idle + (8 << 20),
+                "{busy} bytes after 8 MiB, {idle} idle"
+            );
+        }
+    }
     assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
     for name in ["built", "broken"] {
         assert_eq!(s.call("DELETE", &format!("/templates/{name}"), None).0, 204);

@@ -476,8 +476,8 @@ impl Vm {
         let stopped = Instant::now();
         let result =
             self.pause_dirty_stopped(&base, &partial(&state), &partial(&pages), &mut stats);
-        let index = match result {
-            Ok(index) => index,
+        let (index, copied) = match result {
+            Ok(done) => done,
             Err(e) => {
                 for path in [
                     partial(&state),
@@ -525,13 +525,15 @@ impl Vm {
         });
         log::info!(
             "vm op=capture pid={} result=ok dir={} dirty=true pages={} stateBytes={} stopMs={} \
-             migrateMs={} syncMs={} frozenMs={} totalMs={}",
+             migrateMs={} scanMs={} copyMs={} syncMs={} frozenMs={} totalMs={}",
             self.pid(),
             dir.display(),
             index.pages(),
             stats.state_bytes,
             stats.stop_ms,
             stats.migrate_ms,
+            copied.scan_ms,
+            copied.copy_ms,
             stats.sync_ms,
             stats.frozen_ms,
             stats.total_ms
@@ -547,7 +549,7 @@ impl Vm {
         state: &Path,
         pages: &Path,
         stats: &mut CaptureStats,
-    ) -> Result<PagesIndex, VmError> {
+    ) -> Result<(PagesIndex, PagesStats), VmError> {
         let t = Instant::now();
         self.qmp().stop()?;
         stats.stop_ms = ms(t.elapsed());
@@ -563,7 +565,7 @@ impl Vm {
         self.save_device_state(&devices)?;
         stats.migrate_ms = ms(t.elapsed());
         let ram_bytes = u64::from(self.facts.memory_mb) << 20;
-        let (pages_file, index, _) = save_pages(self.pid(), &base.memory, ram_bytes, pages)?;
+        let (pages_file, index, copied) = save_pages(self.pid(), &base.memory, ram_bytes, pages)?;
 
         let t = Instant::now();
         // QEMU's memory is no longer needed: it exits while the files are made durable.
@@ -588,7 +590,7 @@ impl Vm {
         let _ = std::fs::remove_file(&devices);
         stats.sync_ms = ms(t.elapsed());
         stats.state_bytes = state_len + index.file_len();
-        Ok(index)
+        Ok((index, copied))
     }
 
     /// QMP `xen-save-devices-state` into a new file `path` (handed to QEMU as a
