@@ -223,7 +223,7 @@ impl PagesIndex {
             .collect();
         let mut next_free = 0u64;
         for run in &runs {
-            let end = run.first.checked_add(run.pages).unwrap_or(u64::MAX);
+            let end = run.first.saturating_add(run.pages);
             if run.pages == 0 || run.first < next_free || end > ram_pages {
                 return Err(format!(
                     "run of {} pages at page {} is empty, out of order or outside the RAM",
