@@ -309,6 +309,28 @@ fn a_restored_sandbox_runs_and_is_deleted_cleanly() {
 }
 
 #[test]
+fn only_cold_boots_are_told_their_boot_is_over_and_a_failure_there_is_no_failed_start() {
+    let rig = Rig::new();
+    rig.running("sb-1");
+    assert_eq!(rig.vms.boots_finished.load(Ordering::SeqCst), 1);
+    // A restored guest booted long ago: its capture holds what the boot left.
+    let started = start::start(&rig.launcher, restore_request(&rig, "sb-2")).unwrap();
+    assert_eq!(rig.vms.boots_finished.load(Ordering::SeqCst), 1);
+    started.runtime.delete(StopReason::Delete);
+    rig.script(Script {
+        fail_boot_finished: true,
+        ..Script::default()
+    });
+    let entry = rig.running("sb-3");
+    assert_eq!(rig.vms.boots_finished.load(Ordering::SeqCst), 2);
+    assert_eq!(entry.info.lock().state, SandboxState::Running);
+    for id in ["sb-1", "sb-3"] {
+        delete(&rig.registry, id, StopReason::Delete).unwrap();
+    }
+    rig.assert_nothing_held();
+}
+
+#[test]
 fn a_started_sandbox_gives_everything_back_on_delete() {
     let rig = Rig::new();
     rig.running("sb-1");

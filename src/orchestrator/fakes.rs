@@ -207,6 +207,8 @@ pub(crate) mod sides {
         pub fail_load: bool,
         /// A pause fails and the VM cannot run on (it stopped answering).
         pub stuck_pause: bool,
+        /// Dropping what only the boot needed fails.
+        pub fail_boot_finished: bool,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -221,6 +223,8 @@ pub(crate) mod sides {
         pub standbys: AtomicUsize,
         /// Set: every VM made so far reports that it exited.
         pub died: Arc<AtomicBool>,
+        /// Cold-booted guests told that their boot is over.
+        pub boots_finished: Arc<AtomicUsize>,
     }
 
     impl FakeMachines {
@@ -237,6 +241,7 @@ pub(crate) mod sides {
                 alive: self.alive.clone(),
                 pauses: self.pauses.clone(),
                 died: self.died.clone(),
+                boots_finished: self.boots_finished.clone(),
                 quit: false,
             }))
         }
@@ -270,6 +275,7 @@ pub(crate) mod sides {
         alive: Arc<AtomicUsize>,
         pauses: Arc<AtomicUsize>,
         died: Arc<AtomicBool>,
+        boots_finished: Arc<AtomicUsize>,
         /// Paused (captured and quit).
         quit: bool,
     }
@@ -324,6 +330,13 @@ pub(crate) mod sides {
         fn resume_vcpus(&mut self) -> Result<(), VmError> {
             if self.script.stuck_pause {
                 return Err(VmError::InvalidSpec("the fake VM does not answer".into()));
+            }
+            Ok(())
+        }
+        fn boot_finished(&mut self) -> Result<(), VmError> {
+            self.boots_finished.fetch_add(1, Ordering::SeqCst);
+            if self.script.fail_boot_finished {
+                return Err(VmError::InvalidSpec("the fake VM keeps its PIT".into()));
             }
             Ok(())
         }
