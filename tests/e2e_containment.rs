@@ -1,6 +1,6 @@
 //! End-to-end containment against the real server: a 100-character state dir works (QEMU's
 //! sockets live elsewhere); each QEMU runs as a uid of its own with agentenv-vm's group, in a mount namespace without the state
-//! dir; a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
+//! dir, and after a snapshot no descriptor that can write the frozen layer; a guest flooding its console fills at most two 2 MiB files; one host has one network owner (a second server refuses to
 //! start and the first one's sandbox keeps working); a guest agent that breaks the protocol
 //! gets its sandbox marked while the server and another sandbox carry on.
 //! One server and few cold boots serve every assertion, to keep TCG boots few.
@@ -24,6 +24,7 @@ fn hostile_hosts_and_guests_are_contained() {
     let id = sandbox_from_a_template(&server);
     qemu_gets_an_empty_environment(&id);
     qemu_is_unprivileged_and_sees_only_its_own_files(&server, &id);
+    frozen_layers_are_read_only_to_qemu(&server, &id);
     console_flood_is_bounded(&server, &id);
     second_server_is_refused(&server, &id);
     guest_protocol_violation_is_contained(&server, &id);
@@ -234,6 +235,65 @@ fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
     );
     let (code, v) = s.call("DELETE", &format!("/sandboxes/{other}"), None);
     assert_eq!(code, 204, "{v}");
+}
+
+/// A snapshot freezes the sandbox's top layer under a new one: afterwards QEMU holds no
+/// descriptor that can write the frozen layer (it stays open read-only); the only disk
+/// file open for writing is the new top.
+fn frozen_layers_are_read_only_to_qemu(s: &Server, id: &str) {
+    let pids = qemu_processes_with(&format!("sandboxes/{id}"));
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let pid = pids[0];
+    let writable = |disks: &[(String, bool)]| {
+        let mut w: Vec<String> = disks.iter().filter(|d| d.1).map(|d| d.0.clone()).collect();
+        w.dedup();
+        w
+    };
+    let before = open_disks(pid);
+    let top = writable(&before[..]);
+    assert_eq!(top.len(), 1, "{before:?}");
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), None);
+    assert_eq!(code, 201, "{v}");
+    let after = open_disks(pid);
+    let new_top = writable(&after[..]);
+    assert_eq!(new_top.len(), 1, "{after:?}");
+    assert_ne!(
+        new_top, top,
+        "the frozen layer is still writable: {after:?}"
+    );
+    assert!(
+        after.iter().any(|(p, w)| *p == top[0] && !w),
+        "the frozen layer is not open read-only: {after:?}"
+    );
+    assert_eq!(s.exec(id, "echo", &["runs"])["stdout"], "runs\n");
+}
+
+/// The qcow2 files process `pid` has open, one entry per descriptor, sorted, with whether
+/// that descriptor can write (its fdinfo flags).
+fn open_disks(pid: u32) -> Vec<(String, bool)> {
+    let mut disks = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy().into_owned();
+        if !target.ends_with(".qcow2") {
+            continue;
+        }
+        let fd = entry.file_name().to_string_lossy().into_owned();
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap();
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
+            .unwrap();
+        disks.push((target, flags & 3 != 0));
+    }
+    disks.sort();
+    disks
 }
 
 /// `yes … > /dev/console` in a guest: the console log rotates at 2 MiB and keeps one

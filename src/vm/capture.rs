@@ -414,7 +414,15 @@ impl Vm {
         stats.stop_ms = ms(t.elapsed());
         if let Some(next) = next_top {
             let t = Instant::now();
+            let frozen = self.disk_node().to_string();
+            let under = self.facts.disk_backing.clone();
             self.switch_disk(next)?;
+            if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
+                log::warn!(
+                    "vm op=capture pid={} node={frozen} revoke_writes_error={e}",
+                    self.pid()
+                );
+            }
             stats.disk_switch_ms = ms(t.elapsed());
         }
         let t = Instant::now();
@@ -606,6 +614,8 @@ impl Vm {
                 ),
             });
         }
+        // The top now sits on the base (or on nothing).
+        self.facts.disk_backing = chain.base.is_some().then(|| super::qemu::BASE_NODE.into());
         for old in chain.layers.iter().filter(|l| **l != self.facts.disk) {
             if let Err(e) = std::fs::remove_file(old) {
                 log::warn!("vm op=flatten_disk path={} error={e}", old.display());
@@ -618,6 +628,75 @@ impl Vm {
     pub fn disk_chain_depth(&self) -> Result<usize, VmError> {
         Ok(disk_chain(&self.facts.disk)?.layers.len())
     }
+
+    /// Takes write access to the layer node `frozen` (whose backing is `under`) from
+    /// QEMU, after a disk switch put a new top over it: a QEMU taken over later could
+    /// otherwise write the frozen layer, which snapshots, templates and clones share.
+    ///
+    /// `blockdev-snapshot` makes the frozen qcow2 node read-only but leaves its file node
+    /// read-write (its read-only option was given explicitly), on the read-write
+    /// descriptor it was opened with, and records that descriptor's mode as read-only
+    /// (QEMU 10.0), so a plain reopen read-only keeps it. The file node is therefore
+    /// reopened read-write (QEMU takes a fresh read-write descriptor from the node's fd
+    /// set), then read-only (a read-only one; the read-write one is closed), both with
+    /// `blockdev-reopen`; then the read-write descriptor leaves the set (`remove-fd`).
+    /// QEMU numbers its descriptors itself: their modes are read from
+    /// `/proc/<pid>/fdinfo`. Returns how many set descriptors were closed.
+    fn revoke_frozen_writes(
+        &mut self,
+        frozen: &str,
+        under: Option<String>,
+    ) -> Result<usize, VmError> {
+        let pid = self.pid();
+        let sets = self.qmp().query_fdsets()?;
+        let set = sets
+            .iter()
+            .find(|s| s.fds.iter().any(|f| f.opaque == frozen))
+            .ok_or_else(|| VmError::Qmp {
+                command: "query-fdsets".into(),
+                message: format!("no fd set for node {frozen}"),
+            })?;
+        let mut writable = Vec::new();
+        for fd in &set.fds {
+            if descriptor_writable(pid, fd.fd)? {
+                writable.push(fd.fd);
+            }
+        }
+        if writable.len() == set.fds.len() {
+            return Err(VmError::InvalidSpec(format!(
+                "fd set {} of node {frozen} has no read-only descriptor",
+                set.id
+            )));
+        }
+        let backing = under.map_or(serde_json::Value::Null, serde_json::Value::String);
+        for file_writable in [true, false] {
+            let mut node = super::qemu::qcow2_node(frozen, set.id, false, Some(backing.clone()));
+            node["file"]["read-only"] = (!file_writable).into();
+            self.qmp().execute(
+                "blockdev-reopen",
+                Some(serde_json::json!({ "options": [node] })),
+            )?;
+        }
+        for fd in &writable {
+            self.qmp().remove_fd_from(set.id, *fd)?;
+        }
+        Ok(writable.len())
+    }
+}
+
+/// Whether descriptor `fd` of process `pid` was opened for writing (its `fdinfo` flags).
+fn descriptor_writable(pid: u32, fd: u64) -> Result<bool, VmError> {
+    let path = format!("/proc/{pid}/fdinfo/{fd}");
+    let info = std::fs::read_to_string(&path)
+        .map_err(|e| VmError::io(format!("cannot read {path}"), e))?;
+    fdinfo_writable(&info).ok_or_else(|| VmError::InvalidSpec(format!("no flags in {path}")))
+}
+
+/// The access mode in an `fdinfo` text (`flags:` is octal): whether it allows writes.
+fn fdinfo_writable(info: &str) -> Option<bool> {
+    let flags = info.lines().find_map(|l| l.strip_prefix("flags:"))?;
+    let flags = i32::from_str_radix(flags.trim(), 8).ok()?;
+    Some(flags & libc::O_ACCMODE != libc::O_RDONLY)
 }
 
 /// Whether a sandbox's chain should be merged ([`Vm::flatten_disk`]) after a capture.
@@ -701,6 +780,34 @@ pub fn sync_guest_clock(agent: &AgentClient) -> Result<(), AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fdinfo_flags_give_the_access_mode() {
+        let info = |flags: &str| format!("pos:\t0\nflags:\t{flags}\nmnt_id:\t21\nino:\t5\n");
+        assert_eq!(fdinfo_writable(&info("0100000")), Some(false));
+        assert_eq!(fdinfo_writable(&info("02100002")), Some(true));
+        assert_eq!(fdinfo_writable(&info("0100001")), Some(true));
+        assert_eq!(fdinfo_writable("pos:\t0\n"), None);
+        // Our own descriptors, as the kernel reports them.
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        assert!(!descriptor_writable(std::process::id(), fd as u64).unwrap());
+        let file = tempfile_rw();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        assert!(descriptor_writable(std::process::id(), fd as u64).unwrap());
+    }
+
+    fn tempfile_rw() -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("aenv-fdinfo-{}", crate::util::new_id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file
+    }
 
     #[test]
     fn record_round_trips_as_json() {

@@ -343,7 +343,7 @@ struct DiskNode {
 /// A qcow2 node over the file behind fd set `fdset`, as `-blockdev` / `blockdev-add` JSON.
 /// `backing`: the node under it, `Value::Null` for "none, and do not open the backing
 /// file the image names", or absent (an image without a backing file).
-fn qcow2_node(name: &str, fdset: u64, writable: bool, backing: Option<Value>) -> Value {
+pub(super) fn qcow2_node(name: &str, fdset: u64, writable: bool, backing: Option<Value>) -> Value {
     let mut file = json!({
         "driver": "file",
         "filename": format!("/dev/fdset/{fdset}"),
@@ -699,6 +699,8 @@ pub(crate) struct VmFacts {
     pub disk: PathBuf,
     /// Its block node name in QEMU.
     pub disk_node: String,
+    /// The node under it (its backing), if any.
+    pub disk_backing: Option<String>,
     /// How many layer nodes were added so far (names the next one).
     pub disk_nodes_added: usize,
     pub tap: Option<String>,
@@ -940,7 +942,8 @@ impl Vm {
             launch.incoming != Incoming::None,
             started.elapsed().as_millis()
         );
-        let disk_node = fds.disk.last().expect("a chain has a top").name.clone();
+        let top = fds.disk.last().expect("a chain has a top");
+        let (disk_node, disk_backing) = (top.name.clone(), top.backing.clone());
         let facts = VmFacts {
             kernel,
             initramfs,
@@ -949,6 +952,7 @@ impl Vm {
             memory_mb: spec.memory_mb,
             disk: spec.disk,
             disk_node,
+            disk_backing,
             disk_nodes_added: node_count,
             tap: spec.tap,
             memory,
@@ -990,7 +994,7 @@ impl Vm {
         self.facts.disk_nodes_added += 1;
         self.qmp.blockdev_snapshot(&self.facts.disk_node, &name)?;
         self.facts.disk = next.to_path_buf();
-        self.facts.disk_node = name;
+        self.facts.disk_backing = Some(std::mem::replace(&mut self.facts.disk_node, name));
         Ok(())
     }
 

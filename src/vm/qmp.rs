@@ -283,6 +283,22 @@ impl Qmp {
             .map(drop)
     }
 
+    /// Closes QEMU's descriptor `fd` (its own number, see [`Qmp::query_fdsets`]) of set
+    /// `fdset` (at once since QEMU 9.1; dups QEMU made of it are not affected).
+    pub fn remove_fd_from(&mut self, fdset: u64, fd: u64) -> Result<(), VmError> {
+        self.execute("remove-fd", Some(json!({ "fdset-id": fdset, "fd": fd })))
+            .map(drop)
+    }
+
+    /// Every fd set QEMU holds, with its descriptors (QEMU's numbers).
+    pub fn query_fdsets(&mut self) -> Result<Vec<FdSet>, VmError> {
+        let ret = self.execute("query-fdsets", None)?;
+        serde_json::from_value(ret.clone()).map_err(|e| VmError::Qmp {
+            command: "query-fdsets".into(),
+            message: format!("unexpected answer {ret}: {e}"),
+        })
+    }
+
     /// Starts saving the VM state to `path` (`file:` migration, QEMU >= 9). Returns at
     /// once; follow with [`Qmp::wait_migration`]. The server creates the file (mode 0600)
     /// and hands QEMU the descriptor: a confined QEMU cannot reach the path.
@@ -410,6 +426,22 @@ impl Qmp {
             interval = (interval * 2).min(Duration::from_millis(5));
         }
     }
+}
+
+/// One fd set of `query-fdsets`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct FdSet {
+    #[serde(rename = "fdset-id")]
+    pub id: u64,
+    pub fds: Vec<FdSetFd>,
+}
+
+/// A descriptor in an fd set: QEMU's number for it, and the `opaque` it was added with.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct FdSetFd {
+    pub fd: u64,
+    #[serde(default)]
+    pub opaque: String,
 }
 
 #[cfg(test)]
