@@ -455,6 +455,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         agent: None,
     };
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
+    let mut clock = Duration::ZERO;
     let ready = runtime
         .vm
         .connect_agent(Instant::now() + timeout)
@@ -462,7 +463,9 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             agent.set_label(&id);
             // A restored guest's clock stopped while it was saved (issue: guest clock).
             if restored {
+                let t = Instant::now();
                 vm::sync_guest_clock(&agent)?;
+                clock = t.elapsed();
             }
             Ok(agent)
         });
@@ -475,9 +478,10 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
                 }
             }
             log::info!(
-                "sandboxId={id} op=launch result=ready prepareMs={} agentMs={} totalMs={}",
+                "sandboxId={id} op=launch result=ready prepareMs={} agentMs={} clockMs={} totalMs={}",
                 (prepared - launched).as_millis(),
                 running.elapsed().as_millis(),
+                clock.as_millis(),
                 launched.elapsed().as_millis()
             );
             let agent = Arc::new(agent);
