@@ -252,8 +252,11 @@ impl StandbyPool {
     pub fn evict_one(&self, net: &dyn Network) -> bool {
         let taken = {
             let mut state = self.state.lock();
-            state.refill_after = Some(Instant::now() + REFILL_PAUSE_AFTER_EVICTION);
-            state.ready.pop()
+            let taken = state.ready.pop();
+            if taken.is_some() {
+                state.refill_after = Some(Instant::now() + REFILL_PAUSE_AFTER_EVICTION);
+            }
+            taken
         };
         match taken {
             Some(standby) => {
