@@ -211,8 +211,8 @@ fn main() {
          command = `true` through the agent; pause (template clone) = stop + \
          `xen-save-devices-state` + the pages changed since the template (pagemap, \
          process_vm_readv) to a file + quit (exited); resume = spawn over the template's RAM \
-         file + the template's state + those pages written back + `xen-load-devices-state` \
-         + cont + the agent's first answer; snapshot = stop + migrate to file + cont."
+         file with `-S` + those pages written back + migrate-incoming of the device state \
+         (behind the template's ROM blocks) + cont + the agent's first answer; snapshot = stop + migrate to file + cont."
     );
     println!(
         "start-resume hooks answered by the local extension: {start_resumes} (expected {}); \
@@ -521,10 +521,9 @@ fn product_user_path(
 /// The path users take, on one clone of `template` in `dir` (removed at the end): the
 /// floor of [`product_user_path`]. Pause and resume do by hand what the product's
 /// dirty-only pause does (device state + the pages changed since the template; resume =
-/// the template's state, those pages, the device state), without fsync. Also returns the
+/// those pages, then the device state), without fsync. Also returns the
 /// bytes the dirty pause wrote.
 fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (UserPath, f64) {
-    let memory = template.memory.as_deref().expect("a RAM-file template");
     let mut p = UserPath::default();
     let t = Instant::now();
     let (mut vm, create) = floor.clone_template(template, dir);
@@ -534,7 +533,7 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     p.next_command = vm.exec("true");
     std::thread::sleep(SETTLE);
     let (devices, pages) = (dir.join("devices.bin"), dir.join("memory.pages"));
-    p.pause_idle = floor_pause_dirty(&mut vm, memory, &devices, &pages);
+    p.pause_idle = floor_pause_dirty(&mut vm, template, &devices, &pages);
     let disk = dir.join("disk.qcow2");
     let t = Instant::now();
     let mut vm = floor_resume_dirty(floor, dir, &disk, template, &devices, &pages);
@@ -542,7 +541,7 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     vm.exec("true");
     p.resume_to_first = ms_since(t);
     vm.exec(DIRTY_32M);
-    p.pause_dirty = floor_pause_dirty(&mut vm, memory, &devices, &pages);
+    p.pause_dirty = floor_pause_dirty(&mut vm, template, &devices, &pages);
     let bytes = [&devices, &pages]
         .iter()
         .map(|f| std::fs::metadata(f).unwrap().len() as f64)
@@ -552,33 +551,38 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     (p, bytes)
 }
 
-/// `command` with a `filename` naming a new fd set that holds `file`.
-fn floor_with_fdset(vm: &mut FloorVm, file: &std::fs::File, command: &str) {
-    let fdset = vm.qmp.add_fd(file.as_fd(), command).unwrap();
-    let filename = format!("/dev/fdset/{fdset}");
-    let args = if command == "xen-save-devices-state" {
-        serde_json::json!({ "filename": filename, "live": false })
-    } else {
-        serde_json::json!({ "filename": filename })
-    };
-    vm.qmp.execute(command, Some(args)).unwrap();
-    vm.qmp.remove_fd(fdset).unwrap();
-}
-
-/// Dirty-only pause by hand: stop, device state, the clone's private pages, quit.
-fn floor_pause_dirty(vm: &mut FloorVm, memory: &Path, devices: &Path, pages: &Path) -> f64 {
+/// Dirty-only pause by hand: stop, device state, the clone's private pages, quit; the
+/// device state is put behind the template's ROM blocks while QEMU exits.
+fn floor_pause_dirty(
+    vm: &mut FloorVm,
+    template: &FloorTemplate,
+    devices: &Path,
+    pages: &Path,
+) -> f64 {
+    let memory = template.memory.as_deref().expect("a RAM-file template");
     vm.client = None;
     let t = Instant::now();
     vm.qmp.stop().unwrap();
     let file = std::fs::File::create(devices).unwrap();
-    floor_with_fdset(vm, &file, "xen-save-devices-state");
+    let fdset = vm.qmp.add_fd(file.as_fd(), "devices").unwrap();
+    let args = serde_json::json!({ "filename": format!("/dev/fdset/{fdset}"), "live": false });
+    vm.qmp
+        .execute("xen-save-devices-state", Some(args))
+        .unwrap();
+    vm.qmp.remove_fd(fdset).unwrap();
     vm::dirty::save_pages(vm.child.id(), memory, u64::from(MEMORY_MB) << 20, pages).unwrap();
     vm.qmp.quit().unwrap();
+    let stitched = vm::dirty::stitch_state(
+        &std::fs::read(&template.state).unwrap(),
+        &std::fs::read(devices).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(devices, stitched).unwrap();
     vm.child.wait().unwrap();
     ms_since(t)
 }
 
-/// Dirty-only resume by hand, to the agent's first answer.
+/// Dirty-only resume by hand (QEMU waits with `-S`), to the agent's first answer.
 fn floor_resume_dirty(
     floor: &Floor,
     dir: &Path,
@@ -589,11 +593,9 @@ fn floor_resume_dirty(
 ) -> FloorVm {
     let memory = template.memory.as_deref().expect("a RAM-file template");
     let mut vm = floor.spawn(dir, disk, true, Some((memory, false)));
-    vm.qmp.migrate_incoming_file(&template.state).unwrap();
-    vm.qmp.wait_status("paused", STEP_TIMEOUT).unwrap();
     vm::dirty::write_back_pages(vm.child.id(), memory, u64::from(MEMORY_MB) << 20, pages).unwrap();
-    let file = std::fs::File::open(devices).unwrap();
-    floor_with_fdset(&mut vm, &file, "xen-load-devices-state");
+    vm.qmp.migrate_incoming_file(devices).unwrap();
+    vm.qmp.wait_status("paused", STEP_TIMEOUT).unwrap();
     vm.qmp.cont().unwrap();
     vm.client = Some(
         agentenv::agent::AgentClient::connect(&vm.agent, Instant::now() + STEP_TIMEOUT)

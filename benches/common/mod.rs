@@ -546,7 +546,8 @@ impl Floor {
                 "chardev=qmp,mode=control",
             ]);
         if incoming {
-            cmd.args(["-incoming", "defer"]);
+            // -S as the product: a dirty-only state's global state says "running".
+            cmd.args(["-incoming", "defer", "-S"]);
         }
         let log = std::fs::File::create(run.join("qemu.log")).unwrap();
         let mut child = cmd

@@ -57,6 +57,22 @@ pub fn fsync_dir(dir: &Path) -> SysResult<()> {
         .map_err(|e| SysError::from_io(format!("fsync {}", dir.display()), e))
 }
 
+/// Starts writing back `len` bytes of `file` from `offset` without waiting for them
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`): a later fsync then waits for less. Not a
+/// durability guarantee by itself.
+pub fn start_writeback(file: &File, offset: u64, len: u64) -> SysResult<()> {
+    // SAFETY: sync_file_range on a valid, owned file descriptor; no memory is passed.
+    let ret = unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        )
+    };
+    check(ret, || "sync_file_range".into()).map(drop)
+}
+
 /// Fills `buf` from the kernel's CSPRNG.
 pub fn random_bytes(buf: &mut [u8]) -> SysResult<()> {
     let mut filled = 0;

@@ -318,12 +318,19 @@ pub fn save_pages(
         .map_err(io)?;
     file.write_all(&index.encode()).map_err(io)?;
     let mut buf = Vec::new();
+    let mut written = 0u64;
     for chunk in chunks(&index.runs, CHUNK_BYTES / PAGE_SIZE) {
         let len: u64 = chunk.iter().map(|r| r.pages * PAGE_SIZE).sum();
         buf.resize(len as usize, 0);
         procmem::read_remote(pid, &ranges(ram.start, &chunk), &mut buf)
             .map_err(|e| VmError::io(format!("cannot read QEMU {pid}'s RAM"), e.source))?;
         file.write_all(&buf).map_err(io)?;
+        // The disk starts on each chunk while the next is copied: the fsync that makes
+        // the pause durable then waits for the tail only.
+        let done = written + index.data_offset();
+        crate::sys::fs::start_writeback(&file, done, len)
+            .map_err(|e| VmError::io(format!("cannot write {}", out.display()), e.source))?;
+        written += len;
     }
     let stats = PagesStats {
         pages: index.pages(),
