@@ -88,36 +88,44 @@ fn clone_from(record: &CaptureRecord, dir: &Path) -> (Vm, AgentClient, RestoreSt
     (vm, agent, stats)
 }
 
-#[test]
-fn pause_resume_snapshot_clone_with_the_real_guest() {
-    if !have_assets() {
-        return;
-    }
-    let root = std::env::temp_dir().join(format!("aenv-capture-{}", std::process::id()));
+/// A scratch root `<tmp>/<prefix>-<pid>` (removed on drop), and the spec of a guest that
+/// boots from a new overlay of the base image in `root/<dir>` (run dir `root/<dir>/run`).
+fn fresh_guest(prefix: &str, dir: &str) -> (Scratch, PathBuf, VmSpec) {
+    let root = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
-    let _scratch = Scratch(root.clone());
+    let scratch = Scratch(root.clone());
     let images = crate::image::ImageStore::new(root.join("images"));
     let image = images
         .prepare_rootfs(&format!("oci:{ASSETS}/base-image"), 1024)
         .unwrap();
-    let sandbox = root.join("sandbox");
-    std::fs::create_dir_all(&sandbox).unwrap();
-    create_overlay(&image.base_disk, &sandbox.join("disk.qcow2"), 1024).unwrap();
+    let guest = root.join(dir);
+    std::fs::create_dir_all(&guest).unwrap();
+    create_overlay(&image.base_disk, &guest.join("disk.qcow2"), 1024).unwrap();
     let assets = Path::new(ASSETS);
     let spec = VmSpec {
-        run_dir: sandbox.join("run"),
+        run_dir: guest.join("run"),
         kernel: guest_kernel(assets),
         initramfs: assets.join("initramfs.img"),
         kernel_args: vec!["agentenv.port=49983".into()],
         cpu_count: 1,
         memory_mb: 256,
-        disk: sandbox.join("disk.qcow2"),
+        disk: guest.join("disk.qcow2"),
         netns: None,
         tap: None,
         accel: detect_accel(AccelMode::Auto).unwrap(),
         qemu_binary: "qemu-system-x86_64".into(),
     };
+    (scratch, root, spec)
+}
+
+#[test]
+fn pause_resume_snapshot_clone_with_the_real_guest() {
+    if !have_assets() {
+        return;
+    }
+    let (_scratch, root, spec) = fresh_guest("aenv-capture", "sandbox");
+    let sandbox = root.join("sandbox");
     let boot = Instant::now();
     let mut vm = Vm::spawn(spec).unwrap();
     let a = agent(&vm);
@@ -267,34 +275,10 @@ fn dirty_pause_resume_of_a_template_clone() {
     if !have_assets() {
         return;
     }
-    let root = std::env::temp_dir().join(format!("aenv-dirty-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let _scratch = Scratch(root.clone());
-    let images = crate::image::ImageStore::new(root.join("images"));
-    let image = images
-        .prepare_rootfs(&format!("oci:{ASSETS}/base-image"), 1024)
-        .unwrap();
-
     // The template: booted with its RAM in a shared file, 4 MiB of non-zero data in
     // tmpfs, captured (no RAM in the state file) and quit.
+    let (_scratch, root, spec) = fresh_guest("aenv-dirty", "template");
     let template = root.join("template");
-    std::fs::create_dir_all(&template).unwrap();
-    create_overlay(&image.base_disk, &template.join("disk.qcow2"), 1024).unwrap();
-    let assets = Path::new(ASSETS);
-    let spec = VmSpec {
-        run_dir: template.join("run"),
-        kernel: guest_kernel(assets),
-        initramfs: assets.join("initramfs.img"),
-        kernel_args: vec!["agentenv.port=49983".into()],
-        cpu_count: 1,
-        memory_mb: 256,
-        disk: template.join("disk.qcow2"),
-        netns: None,
-        tap: None,
-        accel: detect_accel(AccelMode::Auto).unwrap(),
-        qemu_binary: "qemu-system-x86_64".into(),
-    };
     let memory = MemoryFile {
         path: template.join("memory.ram"),
         shared: true,

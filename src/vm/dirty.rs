@@ -42,7 +42,6 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -603,35 +602,15 @@ impl Vm {
     /// QMP `xen-save-devices-state` into a new file `path` (handed to QEMU as a
     /// descriptor).
     fn save_device_state(&mut self, path: &Path) -> Result<(), VmError> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| VmError::io(format!("cannot create {}", path.display()), e))?;
+        let file = super::qmp::create_state_file(path)?;
         // live=false: the disk stays active, so a VM whose pause fails later can run on.
-        self.with_fdset(
-            &file,
-            "xen-save-devices-state",
-            |fdset| json!({ "filename": format!("/dev/fdset/{fdset}"), "live": false }),
-        )
-    }
-
-    /// Runs `command` with arguments naming a new fd set that holds `file`; QEMU's copy is
-    /// released afterwards.
-    fn with_fdset(
-        &mut self,
-        file: &File,
-        command: &str,
-        args: impl FnOnce(u64) -> serde_json::Value,
-    ) -> Result<(), VmError> {
-        let fdset = self.qmp().add_fd(file.as_fd(), command)?;
-        let done = self.qmp().execute(command, Some(args(fdset)));
-        let removed = self.qmp().remove_fd(fdset);
-        done?;
-        removed
+        self.qmp()
+            .execute_with_fd(
+                "xen-save-devices-state",
+                &file,
+                |fdset| json!({ "filename": format!("/dev/fdset/{fdset}"), "live": false }),
+            )
+            .map(drop)
     }
 
     /// Resume of a dirty capture on a VM started with `-incoming defer -S` over the

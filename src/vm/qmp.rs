@@ -303,14 +303,7 @@ impl Qmp {
     /// once; follow with [`Qmp::wait_migration`]. The server creates the file (mode 0600)
     /// and hands QEMU the descriptor: a confined QEMU cannot reach the path.
     pub fn migrate_to_file(&mut self, path: &Path) -> Result<(), VmError> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| VmError::io(format!("cannot create {}", path.display()), e))?;
+        let file = create_state_file(path)?;
         self.migrate_via_fdset("migrate", &file)
     }
 
@@ -318,13 +311,28 @@ impl Qmp {
     /// that holds `file`; QEMU's own copy of the descriptor is released once it has
     /// opened the file.
     fn migrate_via_fdset(&mut self, command: &str, file: &std::fs::File) -> Result<(), VmError> {
+        self.execute_with_fd(
+            command,
+            file,
+            |fdset| json!({ "uri": format!("file:/dev/fdset/{fdset}") }),
+        )
+        .map(drop)
+    }
+
+    /// `command` with the arguments `args` builds around the id of a new fd set that holds
+    /// `file`; QEMU's own copy of the descriptor is released once the command returned.
+    pub(crate) fn execute_with_fd(
+        &mut self,
+        command: &str,
+        file: &std::fs::File,
+        args: impl FnOnce(u64) -> Value,
+    ) -> Result<Value, VmError> {
         use std::os::fd::AsFd;
         let fdset = self.add_fd(file.as_fd(), command)?;
-        let uri = format!("file:/dev/fdset/{fdset}");
-        let started = self.execute(command, Some(json!({ "uri": uri })));
+        let done = self.execute(command, Some(args(fdset)));
         let removed = self.remove_fd(fdset);
-        started?;
-        removed
+        let done = done?;
+        removed.map(|()| done)
     }
     /// Turns migration capabilities on or off, e.g. `[("x-ignore-shared", true)]`.
     pub fn migrate_set_capabilities(&mut self, caps: &[(&str, bool)]) -> Result<(), VmError> {
@@ -442,6 +450,19 @@ pub struct FdSetFd {
     pub fd: u64,
     #[serde(default)]
     pub opaque: String,
+}
+
+/// Creates (or truncates) `path`, mode 0600, for QEMU to write a state into through a
+/// descriptor.
+pub(crate) fn create_state_file(path: &Path) -> Result<std::fs::File, VmError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| VmError::io(format!("cannot create {}", path.display()), e))
 }
 
 #[cfg(test)]
