@@ -271,7 +271,9 @@ impl Vm {
         }
         let state = dir.join(STATE_FILE);
         let partial = dir.join(format!("{STATE_FILE}{PARTIAL_SUFFIX}"));
-        for stale in [&state, &partial] {
+        // A dirty-only capture's pages file too: this capture does not use it.
+        let pages = dir.join(super::dirty::PAGES_FILE);
+        for stale in [&state, &partial, &pages] {
             match std::fs::remove_file(stale) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -839,5 +841,36 @@ mod tests {
         );
         let back: CaptureRecord = serde_json::from_str(&json).unwrap();
         assert_eq!(back, record);
+
+        // Format 2 needs its pages and the template's RAM file, format 1 must not have
+        // pages: anything else is refused before any file is looked at.
+        let spec = RestoreSpec {
+            run_dir: "/r".into(),
+            disk: "/s/disk-1.qcow2".into(),
+            netns: None,
+            tap: Some("tap0".into()),
+            accel: Accel::Tcg { tsc_khz: 1 },
+            qemu_binary: "qemu-system-x86_64".into(),
+        };
+        let dirty = DirtyMemory {
+            base_state: "/s/template-state.bin".into(),
+            pages_file: "/s/paused/memory.pages".into(),
+            pages: 1,
+        };
+        for (format, dirty, memory) in [
+            (DIRTY_FORMAT, None, Some("/s/memory.ram")),
+            (DIRTY_FORMAT, Some(dirty.clone()), None),
+            (CAPTURE_FORMAT, Some(dirty), Some("/s/memory.ram")),
+            (3, None, None),
+        ] {
+            let bad = CaptureRecord {
+                format,
+                dirty,
+                memory_file: memory.map(PathBuf::from),
+                ..record.clone()
+            };
+            let e = check_restorable(&bad, &spec).unwrap_err();
+            assert!(e.to_string().contains("capture format"), "{e}");
+        }
     }
 }

@@ -354,11 +354,13 @@ fn dirty_pause_resume_of_a_template_clone() {
 
     // Resume twice: the data, the zeroed pages and the process are there each time, and
     // the written-back pages count as changed again (no chain of captures).
+    // A third round loses the template's files while it runs: that pause falls back to
+    // the full state (every page in state.bin), which resumes as well.
     let mut record = busy;
-    for round in 0..2 {
+    for round in 0..3 {
         let (mut vm, rstats) =
             Vm::restore(&record, restore_spec(run.clone(), record.disk.clone())).unwrap();
-        eprintln!("dirty resume {round} {rstats:?}");
+        eprintln!("resume {round} {rstats:?}");
         assert_eq!(vm.qmp().query_status().unwrap(), "paused");
         vm.resume_vcpus().unwrap();
         let a = agent(&vm);
@@ -366,13 +368,35 @@ fn dirty_pause_resume_of_a_template_clone() {
         assert_eq!(sh(&a, "md5sum < /dev/shm/zeroed"), zeros);
         assert_eq!(sh(&a, &format!("kill -0 {sleeper} && echo alive")), "alive");
         drop(a);
+        if round == 2 {
+            for link in ["template-memory.ram", "template-state.bin"] {
+                std::fs::remove_file(run.join(link)).unwrap();
+            }
+        }
         let (next, _) = vm.pause(&paused_dir).unwrap();
         drop(vm);
-        let next_pages = next.dirty.as_ref().unwrap().pages;
-        assert!(
-            next_pages >= pages,
-            "round {round}: {next_pages} pages saved, {pages} before"
-        );
+        if round == 2 {
+            assert!(
+                next.dirty.is_none() && next.memory_file.is_none(),
+                "{next:?}"
+            );
+            assert_eq!(next.format, capture::CAPTURE_FORMAT);
+            assert!(next.state_bytes >= 20 << 20, "the full state holds the RAM");
+            assert!(!paused_dir.join(dirty::PAGES_FILE).exists());
+        } else {
+            let next_pages = next.dirty.as_ref().unwrap().pages;
+            assert!(
+                next_pages >= pages,
+                "round {round}: {next_pages} pages saved, {pages} before"
+            );
+        }
         record = next;
     }
+    let (mut vm, _) = Vm::restore(&record, restore_spec(run.clone(), record.disk.clone())).unwrap();
+    vm.resume_vcpus().unwrap();
+    let a = agent(&vm);
+    assert_eq!(sh(&a, "md5sum < /dev/shm/pattern"), pattern);
+    assert_eq!(sh(&a, "md5sum < /dev/shm/zeroed"), zeros);
+    drop(a);
+    vm.kill();
 }
