@@ -19,8 +19,8 @@ fn one_sandbox_cannot_starve_the_api_or_another_sandbox() {
     // Stalled uploads stay stalled for the whole test (the default body timeout is 30 s).
     let s = Server::start_with_server_keys("body_timeout_secs = 120", &[]);
     build_template(&s, "starve");
-    let busy = create(&s);
-    let other = create(&s);
+    let busy = s.create_from("starve", 600);
+    let other = s.create_from("starve", 600);
 
     // 16 commands (the guest's max_concurrent_commands) sleep in `busy`.
     let sleepers: Vec<_> = (0..16)
@@ -112,16 +112,6 @@ fn one_sandbox_cannot_starve_the_api_or_another_sandbox() {
     }
     let v = s.exec(&busy, "true", &[]);
     assert_eq!(v["exitCode"], 0, "{v}");
-}
-
-fn create(s: &Server) -> String {
-    let (code, v) = s.call(
-        "POST",
-        "/sandboxes",
-        Some(json!({"templateID": "starve", "timeout": 600})),
-    );
-    assert_eq!(code, 201, "{v}\n{}", s.log());
-    v["sandboxID"].as_str().unwrap().to_string()
 }
 
 /// Runs `f`, asserting it took less than 1 s.

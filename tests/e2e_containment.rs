@@ -35,7 +35,7 @@ fn hostile_hosts_and_guests_are_contained() {
 /// and marks A (`guestProtocolViolation`); the server and sandbox B carry on, and A can
 /// still be deleted.
 fn guest_protocol_violation_is_contained(s: &Server, a: &str) {
-    let b = sandbox_of_t(s);
+    let b = s.create_from("t", 600);
     let detail = |id: &str| s.call("GET", &format!("/sandboxes/{id}"), None).1;
     assert!(detail(a).get("guestProtocolViolation").is_none());
     let v = s.exec(a, "touch", &["/run/agentenv-protocol-fault"]);
@@ -86,7 +86,7 @@ fn qemu_gets_an_empty_environment(id: &str) {
 /// that uid (and even as root), another sandbox's disk and the state dir cannot be opened;
 /// outside it the uid cannot open them either.
 fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
-    let other = sandbox_of_t(s);
+    let other = s.create_from("t", 600);
     let pids = qemu_processes_with(&format!("sandboxes/{id}"));
     assert_eq!(pids.len(), 1, "{pids:?}");
     let pid = pids[0];
@@ -361,20 +361,9 @@ fn sandbox_from_a_template(s: &Server) -> String {
         status(),
         s.log()
     );
-    let id = sandbox_of_t(s);
+    let id = s.create_from("t", 600);
     assert_eq!(s.exec(&id, "cat", &["/root/built"])["stdout"], "built\n");
     id
-}
-
-/// A new sandbox from template `t`.
-fn sandbox_of_t(s: &Server) -> String {
-    let (code, v) = s.call(
-        "POST",
-        "/sandboxes",
-        Some(json!({"templateID": "t", "timeout": 600})),
-    );
-    assert_eq!(code, 201, "{v}\n{}", s.log());
-    id_of(&v)
 }
 
 /// A second server on the host, with its own state dir, exits non-zero with a message

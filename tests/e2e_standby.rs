@@ -48,16 +48,6 @@ fn wait_ready(s: &Server, n: u64) {
     );
 }
 
-fn create(s: &Server) -> String {
-    let (code, v) = s.call(
-        "POST",
-        "/sandboxes",
-        Some(json!({"templateID": "st", "timeout": 120})),
-    );
-    assert_eq!(code, 201, "{v}\n{}", s.log());
-    id_of(&v)
-}
-
 fn nothing_left(s: &Server) {
     assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
     assert!(netns_files().is_empty(), "{:?}", netns_files());
@@ -121,7 +111,7 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
     let waiting = standby_pid(&s, &[]);
 
     // A create takes it: the sandbox runs in the QEMU that was waiting.
-    let id = create(&s);
+    let id = s.create_from("st", 120);
     assert_eq!(metric(&s, HITS), 2);
     assert_eq!(qemu_processes_with(&id), [waiting]);
     assert!(s.log().contains(&format!(
@@ -149,7 +139,7 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
         s.log()
     );
     assert!(s.log().contains("op=standby result=exited"));
-    let second = create(&s);
+    let second = s.create_from("st", 120);
     assert_eq!(metric(&s, HITS), 3);
     assert_eq!(sh(&s, &second, "echo ok"), "ok\n");
     for sb in [&id, &second] {
@@ -164,7 +154,7 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
     // After a restart the template's first create takes the usual path and starts the
     // pool; deleting the template discards its standby.
     s.spawn();
-    let third = create(&s);
+    let third = s.create_from("st", 120);
     assert_eq!(metric(&s, MISSES), 1);
     assert_eq!(sh(&s, &third, "echo ok"), "ok\n");
     wait_ready(&s, 1);

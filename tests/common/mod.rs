@@ -225,6 +225,19 @@ pool_min = 1
         v
     }
 
+    /// Creates a sandbox from a built template (`POST /sandboxes`), asserting 201; its id.
+    pub fn create_from(&self, template: &str, timeout_secs: u64) -> String {
+        let body = serde_json::json!({"templateID": template, "timeout": timeout_secs});
+        let (status, v) = self.call("POST", "/sandboxes", Some(body));
+        assert_eq!(
+            status,
+            201,
+            "create from {template} failed: {v}\n{}",
+            self.log()
+        );
+        id_of(&v)
+    }
+
     pub fn exec(&self, id: &str, cmd: &str, args: &[&str]) -> Value {
         let (status, v) = self.call(
             "POST",
