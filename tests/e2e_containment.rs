@@ -153,20 +153,22 @@ fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
         .expect("the other sandbox has a qcow2 disk");
     let state_dir = s.state_dir.to_str().unwrap();
     let other_disk = other_disk.to_str().unwrap();
+    // `setpriv` argv that runs the rest as QEMU's uid and gid, without groups.
+    let as_qemu = [
+        "setpriv",
+        "--reuid",
+        &uid,
+        "--regid",
+        &gid,
+        "--clear-groups",
+        "--",
+    ];
     // Inside QEMU's namespace, as its account, then as root: neither exists there.
     let inside = |as_vm: bool, args: &[&str]| {
         let mut cmd = Command::new("nsenter");
         cmd.args(["-t", &pid.to_string(), "-m", "--"]);
         if as_vm {
-            cmd.args([
-                "setpriv",
-                "--reuid",
-                &uid,
-                "--regid",
-                &gid,
-                "--clear-groups",
-                "--",
-            ]);
+            cmd.args(as_qemu);
         }
         let out = cmd.args(args).output().unwrap();
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
@@ -215,17 +217,9 @@ fn qemu_is_unprivileged_and_sees_only_its_own_files(s: &Server, id: &str) {
         assert!(!ok, "{path}: {err}");
     }
     // Outside the namespace the account is kept out of the state dir by its mode.
-    let outside = Command::new("setpriv")
-        .args([
-            "--reuid",
-            &uid,
-            "--regid",
-            &gid,
-            "--clear-groups",
-            "--",
-            "cat",
-            other_disk,
-        ])
+    let outside = Command::new(as_qemu[0])
+        .args(&as_qemu[1..])
+        .args(["cat", other_disk])
         .output()
         .unwrap();
     assert!(
