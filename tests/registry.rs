@@ -12,13 +12,12 @@ use agentenv::image::{ImageError, ImageOptions, ImageStore, LayerBuilder, PhaseT
 use agentenv::orchestrator::OrchError;
 use common::registry::{temp_dir, Auth, TestLayer, TestRegistry};
 
-fn have_registry() -> bool {
-    let ok = Path::new("/usr/bin/docker-registry").is_file();
+/// Fails the test (never skips it) when the registry binary is missing.
+fn require_registry() {
     assert!(
-        ok,
+        Path::new("/usr/bin/docker-registry").is_file(),
         "docker-registry is not installed (run scripts/setup.sh)"
     );
-    ok
 }
 
 fn debugfs(img: &Path, request: &str) -> String {
@@ -90,9 +89,7 @@ fn new_store(name: &str, options: ImageOptions) -> (Scratch, ImageStore) {
 
 #[test]
 fn oci_index_with_amd64_not_first_is_pulled_with_gzip_plain_and_whiteout_layers() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Anonymous);
     let arm = reg.push_image("team/app", "arm64", "/arm", &two_layers("arm"), false);
     let amd = reg.push_image("team/app", "amd64", "/amd", &two_layers("amd"), false);
@@ -150,9 +147,7 @@ fn oci_index_with_amd64_not_first_is_pulled_with_gzip_plain_and_whiteout_layers(
 
 #[test]
 fn docker_manifest_list_is_pulled() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Anonymous);
     let layers = vec![TestLayer {
         tar: layer(|b| {
@@ -187,9 +182,7 @@ fn docker_manifest_list_is_pulled() {
 
 #[test]
 fn token_auth_is_negotiated_and_tokens_are_reused() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Token);
     let img = reg.push_image("team/secure", "amd64", "/", &two_layers("tok"), false);
     reg.tag("team/secure", "v1", &img);
@@ -221,9 +214,7 @@ fn token_auth_is_negotiated_and_tokens_are_reused() {
 
 #[test]
 fn basic_auth_uses_configured_or_docker_config_credentials() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Htpasswd {
         user: "puller".into(),
         password: "s3cret".into(),
@@ -301,9 +292,7 @@ fn basic_auth_uses_configured_or_docker_config_credentials() {
 
 #[test]
 fn tampered_blob_is_refused_and_nothing_is_cached() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Anonymous);
     let layers = vec![TestLayer {
         tar: layer(|b| {
@@ -338,9 +327,7 @@ fn tampered_blob_is_refused_and_nothing_is_cached() {
 
 #[test]
 fn concurrent_cold_starts_download_and_build_once() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Anonymous);
     // ~4 MiB of incompressible data so the downloads overlap.
     let mut data = vec![0u8; 4 << 20];
@@ -381,9 +368,7 @@ fn concurrent_cold_starts_download_and_build_once() {
 
 #[test]
 fn unknown_tags_and_repositories_are_client_errors_naming_the_reference() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let reg = TestRegistry::start(Auth::Anonymous);
     let img = reg.push_image("team/app", "amd64", "/", &two_layers("x"), false);
     reg.tag("team/app", "v1", &img);
@@ -408,9 +393,7 @@ fn unknown_tags_and_repositories_are_client_errors_naming_the_reference() {
 
 #[test]
 fn unreachable_or_hanging_registries_are_upstream_errors() {
-    if !have_registry() {
-        return;
-    }
+    require_registry();
     let mut reg = TestRegistry::start(Auth::Anonymous);
     let addr = reg.addr.clone();
     reg.stop();
@@ -468,9 +451,11 @@ fn run_ms(cmd: &mut Command) -> u64 {
 #[test]
 #[ignore]
 fn bench_images() {
-    if !have_registry() || !Path::new("/usr/bin/skopeo").is_file() {
-        return;
-    }
+    require_registry();
+    assert!(
+        Path::new("/usr/bin/skopeo").is_file(),
+        "skopeo is not installed (run scripts/setup.sh)"
+    );
     let runs: usize = std::env::var("AENV_BENCH_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
