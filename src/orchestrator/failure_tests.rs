@@ -393,6 +393,80 @@ fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
 }
 
 #[test]
+fn a_vm_that_dies_is_stopped_counted_and_its_files_quarantined() {
+    let rig = Rig::new();
+    let _other = rig.running("sb-2");
+    let entry = rig.running("sb-1");
+    let paused_dir = rig.registry.dir("sb-1");
+    rig.vms.died.store(true, Ordering::SeqCst);
+    let reasons = |dir: &std::path::Path| {
+        std::fs::read_dir(dir).map_or(0, |d| {
+            d.filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "reason")
+            })
+            .count()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reasons(&rig.state_dir.join("quarantine")) < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    rig.vms.died.store(false, Ordering::SeqCst);
+    let mut calls = rig.hooks.calls();
+    calls.sort();
+    assert_eq!(
+        calls,
+        [
+            "start-fresh sb-1",
+            "start-fresh sb-2",
+            "stop sb-1 failure",
+            "stop sb-2 failure"
+        ]
+    );
+    assert_eq!(entry.state(), SandboxState::Deleting);
+    let Err(e) = rig.registry.entry("sb-1") else {
+        panic!("still registered")
+    };
+    let msg = e.to_string();
+    assert!(matches!(e, OrchError::NotFound(_)), "{e:?}");
+    assert!(
+        msg.contains("VM died on its own (killed by signal 9 (SIGKILL))"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&rig.state_dir.join("quarantine").display().to_string()),
+        "{msg}"
+    );
+    assert!(!paused_dir.exists(), "moved, not left in place");
+    let kept: Vec<PathBuf> = std::fs::read_dir(rig.state_dir.join("quarantine"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for dir in &kept {
+        assert_eq!(std::fs::read(dir.join("disk.qcow2")).unwrap(), b"disk");
+        assert!(dir.join("record.json").is_file());
+        let why = std::fs::read_to_string(dir.with_extension("reason")).unwrap();
+        assert!(
+            why.contains("died on its own (killed by signal 9 (SIGKILL))"),
+            "{why}"
+        );
+    }
+    let mut metrics = String::new();
+    rig.launcher.deaths.render(&mut metrics);
+    assert!(
+        metrics.contains("agentenv_vm_deaths_total{kind=\"sandbox\",cause=\"SIGKILL\"} 2"),
+        "{metrics}"
+    );
+    rig.assert_nothing_held();
+}
+
+#[test]
 fn shutdown_never_deletes_a_sandbox_whose_pause_failed() {
     let rig = Rig::new();
     rig.script(Script {

@@ -301,11 +301,11 @@ pub(crate) mod sides {
         fn console_tail(&self, _: usize) -> String {
             String::new()
         }
-        fn exited(&mut self) -> Option<String> {
+        fn exited(&mut self) -> Option<crate::vm::VmExit> {
             if self.died.load(Ordering::SeqCst) {
-                return Some("signal: 9 (SIGKILL)".into());
+                return Some(crate::vm::VmExit::Signal(9));
             }
-            self.quit.then(|| "exit status: 0".to_string())
+            self.quit.then_some(crate::vm::VmExit::Code(0))
         }
         fn kill(self: Box<Self>) {}
         fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {

@@ -36,3 +36,30 @@ pub fn render_state_gauge(out: &mut String, name: &str, help: &str, values: &[(&
         let _ = writeln!(out, "{name}{{state=\"{state}\"}} {v}");
     }
 }
+
+/// `agentenv_vm_deaths_total{kind,cause}`: QEMU processes that ended without being asked
+/// to, by what they were (`sandbox`, `standby`, `build`) and how they ended
+/// ([`crate::vm::VmExit::cause`]).
+#[derive(Default)]
+pub struct VmDeaths {
+    counts: Mutex<BTreeMap<(&'static str, String), u64>>,
+}
+
+impl VmDeaths {
+    pub fn record(&self, kind: &'static str, exit: &crate::vm::VmExit) {
+        *self.counts.lock().entry((kind, exit.cause())).or_default() += 1;
+    }
+
+    pub fn render(&self, out: &mut String) {
+        out.push_str(
+            "# HELP agentenv_vm_deaths_total VM processes that ended on their own, by kind and cause.\n",
+        );
+        out.push_str("# TYPE agentenv_vm_deaths_total counter\n");
+        for ((kind, cause), n) in self.counts.lock().iter() {
+            let _ = writeln!(
+                out,
+                "agentenv_vm_deaths_total{{kind=\"{kind}\",cause=\"{cause}\"}} {n}"
+            );
+        }
+    }
+}

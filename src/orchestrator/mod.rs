@@ -576,6 +576,7 @@ impl Orchestrator {
         self.shared.operations.render(&mut out);
         self.shared.launcher.hooks.render_metrics(&mut out);
         self.shared.launcher.standby.render_metrics(&mut out);
+        self.shared.launcher.deaths.render(&mut out);
         let slots = self.shared.launcher.net.stats();
         metrics::render_state_gauge(
             &mut out,

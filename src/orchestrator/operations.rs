@@ -47,10 +47,26 @@ impl Registered {
 }
 
 impl Watch for Registered {
-    fn vm_exited(&self) {
-        if let Some(registry) = self.registry.upgrade() {
-            registry.forget_dead(&self.id);
-        }
+    fn kind(&self) -> &'static str {
+        "sandbox"
+    }
+
+    /// 404 from now on, with a message naming the death and where the files go.
+    fn vm_died(&self, exit: &vm::VmExit, run_dir: &std::path::Path) -> Option<PathBuf> {
+        let registry = self.registry.upgrade()?;
+        let dest = crate::store::quarantine_dest(records::state_dir_of(run_dir), run_dir);
+        let at = crate::util::rfc3339(SystemTime::now());
+        registry.forget_dead(
+            &self.id,
+            &format!(
+                "sandbox {} is gone: its VM died on its own ({exit}) at {at}; its files (disk, \
+                 record, console log) are kept in {} (see {})",
+                self.id,
+                dest.display(),
+                dest.with_extension("reason").display()
+            ),
+        );
+        Some(dest)
     }
 
     fn guest_violated(&self, reason: &str) {

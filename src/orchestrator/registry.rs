@@ -16,6 +16,9 @@ pub(crate) struct Registry {
     sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
     /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
     gone: GoneTokens,
+    /// What the 404 of a sandbox whose VM died says (the death, where its files went);
+    /// the same bounded id → text map as the tokens.
+    deaths: GoneTokens,
 }
 
 impl Registry {
@@ -24,6 +27,7 @@ impl Registry {
             dir,
             sandboxes: RwLock::new(sandboxes),
             gone: GoneTokens::default(),
+            deaths: GoneTokens::default(),
         }
     }
 
@@ -38,7 +42,10 @@ impl Registry {
             .read()
             .get(id)
             .cloned()
-            .ok_or_else(|| OrchError::sandbox_not_found(id))
+            .ok_or_else(|| match self.deaths.token(id) {
+                Some(death) => OrchError::NotFound(death),
+                None => OrchError::sandbox_not_found(id),
+            })
     }
 
     /// Makes a sandbox known (its record is stored already).
@@ -56,8 +63,10 @@ impl Registry {
         self.sandboxes.read().keys().cloned().collect()
     }
 
-    /// Forgets a sandbox whose VM died on its own (the supervisor tears it down).
-    pub fn forget_dead(&self, id: &str) {
+    /// Forgets a sandbox whose VM died on its own (the supervisor tears it down); its
+    /// 404 says `death` from now on.
+    pub fn forget_dead(&self, id: &str, death: &str) {
+        self.deaths.remember(id, death);
         if let Some(entry) = self.unregister(id) {
             entry.runtime.lock().take();
             let mut info = entry.info.lock();

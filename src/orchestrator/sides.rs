@@ -7,7 +7,9 @@
 use crate::agent::{AgentClient, AgentError};
 use crate::hooks::{HookClient, HookError, Instance, StartContext, StopReason};
 use crate::net::{NetError, Slot, SlotManager, SlotStats};
-use crate::vm::{self, CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Vm, VmError, VmSpec};
+use crate::vm::{
+    self, CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Vm, VmError, VmExit, VmSpec,
+};
 use serde_json::Value;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -108,7 +110,7 @@ pub(crate) trait Machine: Send {
     /// The last lines of the guest console, for log lines about a failed VM.
     fn console_tail(&self, lines: usize) -> String;
     /// How the VM process ended, if it has.
-    fn exited(&mut self) -> Option<String>;
+    fn exited(&mut self) -> Option<VmExit>;
     /// Kills the VM process and reaps it.
     fn kill(self: Box<Self>);
     /// Captures the VM into `dir` and makes it quit (custom-extension.md §5.4).
@@ -167,8 +169,8 @@ impl Machine for Vm {
     fn console_tail(&self, lines: usize) -> String {
         Vm::console_tail(self, lines)
     }
-    fn exited(&mut self) -> Option<String> {
-        self.try_wait().map(|status| status.to_string())
+    fn exited(&mut self) -> Option<VmExit> {
+        self.try_wait().map(VmExit::from)
     }
     fn kill(self: Box<Self>) {
         Vm::kill(*self)

@@ -33,13 +33,14 @@
 //! have no record and are removed at the next start like any unfinished create.
 
 use super::admission::Reservation;
+use super::metrics::VmDeaths;
 use super::settings::Resources;
 use super::sides::{Machine, Network};
 use super::start::Launcher;
 use super::supervisor::RunDir;
 use super::OrchError;
 use crate::net::Slot;
-use crate::vm::{CaptureRecord, RestoreSpec, VmError};
+use crate::vm::{CaptureRecord, RestoreSpec, VmError, VmExit};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -156,12 +157,15 @@ pub(crate) struct StandbyPool {
     worker: Mutex<Option<Sender<Event>>>,
     hits: AtomicU64,
     misses: AtomicU64,
+    /// Standbys whose QEMU died count here (kind `standby`).
+    deaths: Arc<VmDeaths>,
     pub clone_disk: CloneDisk,
 }
 
 impl StandbyPool {
-    pub fn new(per_template: u32) -> StandbyPool {
+    pub fn new(per_template: u32, deaths: Arc<VmDeaths>) -> StandbyPool {
         StandbyPool {
+            deaths,
             per_template: per_template as usize,
             state: Mutex::new(PoolState::default()),
             worker: Mutex::new(None),
@@ -238,6 +242,7 @@ impl StandbyPool {
                 return None;
             };
             if let Some(status) = standby.claimed.prepared.vm.exited() {
+                self.deaths.record("standby", &status);
                 standby.discard(net, &format!("\"exited: {status}\""));
                 continue;
             }
@@ -334,7 +339,7 @@ impl StandbyPool {
     }
 
     /// Standbys whose QEMU exited, taken out of the pool.
-    fn take_dead(&self) -> Vec<(Standby, String)> {
+    fn take_dead(&self) -> Vec<(Standby, VmExit)> {
         let mut state = self.state.lock();
         let mut dead = Vec::new();
         let mut i = 0;
@@ -394,6 +399,7 @@ fn work(launcher: Weak<Launcher>, sandboxes_dir: &Path, events: Receiver<Event>)
             let _ = reply.send(());
         }
         for (standby, status) in pool.take_dead() {
+            pool.deaths.record("standby", &status);
             log::warn!(
                 "sandboxId={} op=standby result=exited status=\"{status}\"",
                 standby.claimed.id

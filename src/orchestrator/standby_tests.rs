@@ -31,7 +31,7 @@ fn template() -> CaptureRecord {
 /// A rig whose pool keeps one standby per template, its worker running.
 fn pooled(limits: Limits) -> Rig {
     let rig = Rig::build(limits, |l| {
-        l.standby = StandbyPool::new(1);
+        l.standby = StandbyPool::new(1, l.deaths.clone());
         l.standby.clone_disk = fake_clone_disk;
     });
     StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
@@ -223,7 +223,7 @@ fn shutdown_discards_every_standby_and_makes_no_more() {
 #[test]
 fn templates_without_a_ram_file_and_a_pool_of_zero_get_no_standbys() {
     let rig = Rig::build(roomy(), |l| {
-        l.standby = StandbyPool::new(0);
+        l.standby = StandbyPool::new(0, l.deaths.clone());
         l.standby.clone_disk = fake_clone_disk;
     });
     StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));

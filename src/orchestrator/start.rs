@@ -48,6 +48,8 @@ pub(crate) struct Launcher {
     pub spawn: ThreadSpawner,
     /// QEMU processes started ahead of creates from built templates.
     pub standby: StandbyPool,
+    /// VM processes that ended on their own (`agentenv_vm_deaths_total`).
+    pub deaths: Arc<super::metrics::VmDeaths>,
 }
 
 impl Launcher {
@@ -59,6 +61,7 @@ impl Launcher {
         admission: Arc<Admission>,
         accel: Accel,
     ) -> Launcher {
+        let deaths = Arc::new(super::metrics::VmDeaths::default());
         let mut kernel_args = vec![format!("agentenv.port={}", config.agent.port)];
         if config.network.outbound {
             if let Some(dns) = crate::net::guest_dns(&config.network) {
@@ -75,7 +78,8 @@ impl Launcher {
             kernel_args,
             outbound: config.network.outbound,
             spawn: supervisor::spawn_thread,
-            standby: StandbyPool::new(config.templates.standby_per_template),
+            standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
+            deaths,
         }
     }
 }

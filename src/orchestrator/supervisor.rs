@@ -124,8 +124,12 @@ pub(crate) struct StartPlan {
 /// What a supervisor reports about its running VM (for a registered sandbox: forget it,
 /// mark it).
 pub(crate) trait Watch: Send {
-    /// The VM died on its own; the supervisor tears down the rest.
-    fn vm_exited(&self);
+    /// What the VM is, for `agentenv_vm_deaths_total{kind}`.
+    fn kind(&self) -> &'static str;
+    /// The VM died on its own, before the supervisor tears down the rest (stop hook with
+    /// reason `failure`, slot). Returns where the run dir is to be kept (quarantined); with
+    /// `None` it is removed.
+    fn vm_died(&self, exit: &vm::VmExit, run_dir: &Path) -> Option<PathBuf>;
     /// The guest broke the agent protocol: its agent channel is closed.
     fn guest_violated(&self, reason: &str);
 }
@@ -134,7 +138,12 @@ pub(crate) trait Watch: Send {
 pub(crate) struct Unwatched;
 
 impl Watch for Unwatched {
-    fn vm_exited(&self) {}
+    fn kind(&self) -> &'static str {
+        "build"
+    }
+    fn vm_died(&self, _: &vm::VmExit, _: &Path) -> Option<PathBuf> {
+        None
+    }
     fn guest_violated(&self, _: &str) {}
 }
 
@@ -554,14 +563,8 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
             }
             Err(RecvTimeoutError::Timeout) => {
                 watch_agent(id, &mut runtime);
-                if let Some(status) = runtime.vm.exited() {
-                    log::error!(
-                        "sandboxId={id} op=watch result=vm_exited status={status} console_tail=\n{}",
-                        runtime.vm.console_tail(20)
-                    );
-                    runtime.watch.vm_exited();
-                    runtime.run_dir.arm();
-                    runtime.teardown(launcher, StopReason::Failure);
+                if let Some(exit) = runtime.vm.exited() {
+                    vm_died(launcher, id, runtime, exit);
                     return;
                 }
             }
@@ -571,6 +574,33 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 return;
             }
         }
+    }
+}
+
+/// A VM that ended without being asked to (OOM killer, a QEMU bug, an operator's kill):
+/// counted, logged, its sandbox forgotten by its watch (404 naming the death), then the
+/// stop hook (reason `failure`) and the slot; the run dir (disk, record, console log)
+/// goes to quarantine with a `.reason` naming the exit, or is removed when the watch
+/// keeps nothing (a build's).
+fn vm_died(launcher: &Launcher, id: &str, mut runtime: Runtime, exit: vm::VmExit) {
+    let kind = runtime.watch.kind();
+    launcher.deaths.record(kind, &exit);
+    let dir = runtime.run_dir.path().to_path_buf();
+    log::error!(
+        "sandboxId={id} op=watch result=vm_died kind={kind} cause={} status=\"{exit}\" console_tail=\n{}",
+        exit.cause(),
+        runtime.vm.console_tail(20)
+    );
+    let watch = std::mem::replace(&mut runtime.watch, Box::new(Unwatched));
+    let keep = watch.vm_died(&exit, &dir);
+    match &keep {
+        Some(_) => runtime.run_dir.keep(),
+        None => runtime.run_dir.arm(),
+    }
+    runtime.teardown(launcher, StopReason::Failure);
+    if let Some(dest) = keep {
+        let why = format!("the VM of sandbox {id} died on its own ({exit})");
+        crate::store::quarantine_to(&dir, &dest, &why);
     }
 }
 

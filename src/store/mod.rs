@@ -84,7 +84,13 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StoreError> {
 /// to it. Nothing is deleted: an operator can inspect it, move it back, or remove it.
 /// Returns where it went; `None` when even the move failed (it is then left in place).
 pub fn quarantine(state_dir: &Path, path: &Path, why: &str) -> Option<PathBuf> {
-    let dir = state_dir.join("quarantine");
+    quarantine_to(path, &quarantine_dest(state_dir, path), why)
+}
+
+/// Where [`quarantine`] would move `path`: `<state_dir>/quarantine/<kind>-<name>-<new id>`
+/// (`kind` is the parent directory's name, e.g. `sandboxes`). Its reason file is the same
+/// path with the extension `reason`.
+pub fn quarantine_dest(state_dir: &Path, path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -94,10 +100,18 @@ pub fn quarantine(state_dir: &Path, path: &Path, why: &str) -> Option<PathBuf> {
         .and_then(Path::file_name)
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let dest = dir.join(format!("{kind}-{name}-{}", crate::util::new_id()));
-    let moved = ensure_private_dir(&dir)
-        .map_err(|e| e.to_string())
-        .and_then(|()| fs::rename(path, &dest).map_err(|e| e.to_string()));
+    state_dir
+        .join("quarantine")
+        .join(format!("{kind}-{name}-{}", crate::util::new_id()))
+}
+
+/// [`quarantine`] to a destination chosen beforehand with [`quarantine_dest`].
+pub fn quarantine_to(path: &Path, dest: &Path, why: &str) -> Option<PathBuf> {
+    let moved = dest
+        .parent()
+        .ok_or_else(|| "no quarantine directory".to_string())
+        .and_then(|dir| ensure_private_dir(dir).map_err(|e| e.to_string()))
+        .and_then(|()| fs::rename(path, dest).map_err(|e| e.to_string()));
     match moved {
         Ok(()) => {
             let _ = write_atomic(
@@ -110,7 +124,7 @@ pub fn quarantine(state_dir: &Path, path: &Path, why: &str) -> Option<PathBuf> {
                 path.display(),
                 dest.display()
             );
-            Some(dest)
+            Some(dest.to_path_buf())
         }
         Err(e) => {
             log::error!(

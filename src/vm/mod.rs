@@ -11,6 +11,7 @@
 //! - [`dirty`]: dirty-only pause and resume of template clones (only the pages changed
 //!   since the template are written and read back).
 //! - [`console`]: the tail of a guest's console log, for error reports.
+//! - [`exit`]: how a QEMU process ended ([`VmExit`]).
 //! - `uids`: a uid of its own for each QEMU process.
 
 use std::fmt;
@@ -23,6 +24,7 @@ pub mod capture;
 pub mod console;
 pub mod dirty;
 pub mod disk;
+pub mod exit;
 pub mod qemu;
 pub mod qmp;
 mod uids;
@@ -40,6 +42,7 @@ pub use console::tail_lines;
 pub use disk::{
     create_clone_disk, create_layer, create_overlay, disk_chain, next_layer_path, MAX_CHAIN_LAYERS,
 };
+pub use exit::VmExit;
 pub use qemu::{guest_kernel, kernel_cmdline, stop_boot_timer, MemoryFile, Vm, VmSpec, GUEST_MAC};
 pub use qmp::Qmp;
 
