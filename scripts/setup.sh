@@ -8,6 +8,7 @@
 #     agent), plus the unprivileged account QEMU runs as (agentenv-vm)
 #  4. the guest initramfs (agent as /init + virtio modules)
 #  5. the built-in base image (busybox + static bash) as an OCI layout
+#  6. the Debian 12 test image (debootstrap, cached in $AENV_TEST_IMAGES_DIR)
 # Assets go to $AENV_ASSETS_DIR (default /var/lib/agentenv/assets, the config default).
 set -euo pipefail
 
@@ -44,7 +45,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 need=()
-for pkg in nftables e2fsprogs busybox-static bash-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd; do
+for pkg in nftables e2fsprogs busybox-static bash-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd debootstrap; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 major=$(qemu_major || true)
@@ -101,6 +102,9 @@ rm -rf "$ASSETS/base-image.tmp"
   --bash /bin/bash-static
 rm -rf "$ASSETS/base-image"
 mv "$ASSETS/base-image.tmp" "$ASSETS/base-image"
+
+step "Debian 12 test image (debootstrap; cached after the first run)"
+"$ROOT/scripts/build-debian-image.sh" || die "cannot build the Debian 12 test image"
 
 step "E2B SDKs for the tests (python e2b $E2B_PY_VERSION, npm e2b $E2B_JS_VERSION)"
 # Pinned; tests/e2e_sdk.rs drives them against the real server (docs/e2b.md). The JS SDK

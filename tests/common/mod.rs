@@ -434,3 +434,26 @@ pub fn wait_exit(child: &mut Child, deadline: Instant) -> Option<std::process::E
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The Debian 12 test image as `oci:<dir>`: built by scripts/build-debian-image.sh
+/// (debootstrap from the host's apt mirror) the first time, cached afterwards in
+/// `$AENV_TEST_IMAGES_DIR` (default /var/lib/agentenv/test-images).
+pub fn debian_image() -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-debian-image.sh");
+    let out = Command::new(&script)
+        .stdin(Stdio::null())
+        .output()
+        .expect("scripts/build-debian-image.sh runs");
+    assert!(
+        out.status.success(),
+        "building the Debian 12 test image failed (needs root and debootstrap; scripts/setup.sh \
+         installs it): {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = std::env::var_os("AENV_TEST_IMAGES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/agentenv/test-images"))
+        .join("debian-12");
+    format!("oci:{}", dir.display())
+}

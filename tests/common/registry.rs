@@ -328,6 +328,20 @@ impl TestRegistry {
         reg
     }
 
+    /// Copies an OCI layout (`oci:<dir>[:tag]`, e.g. [`super::debian_image`]) into this
+    /// registry as `repo:tag` with skopeo; returns the reference to pull it by.
+    pub fn push_layout(&self, layout: &str, repo: &str, tag: &str) -> String {
+        let reference = format!("{}/{repo}:{tag}", self.addr);
+        let mut cmd = Command::new("skopeo");
+        cmd.args(["copy", "--quiet", "--dest-tls-verify=false"]);
+        if let Some((user, password)) = &self.basic {
+            cmd.arg(format!("--dest-creds={user}:{password}"));
+        }
+        cmd.arg(layout).arg(format!("docker://{reference}"));
+        run(&mut cmd);
+        reference
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
