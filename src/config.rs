@@ -288,7 +288,25 @@ pub struct AgentConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxConfig {
+    /// The timeout of a create on agentenv's own routes (`POST /sandboxes`,
+    /// `/sandboxes-cold`) that names none.
     pub default_timeout_secs: u64,
+    /// E2B's defaults for `POST /v2/sandboxes` (the SDKs' route): the timeout when the
+    /// request names none, and what a timeout does when it sets no `autoPause`.
+    pub e2b_default_timeout_secs: u64,
+    pub e2b_default_on_timeout: OnTimeout,
+    /// How long a create's `Idempotency-Key` is remembered, in seconds.
+    pub idempotency_window_secs: u64,
+    /// How long a request for a paused sandbox with `autoResume` waits for its resume.
+    pub auto_resume_wait_secs: u64,
+}
+
+/// What a sandbox's timeout does (E2B's `lifecycle.onTimeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    Pause,
+    Kill,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -504,6 +522,31 @@ impl Config {
         }
         if let Err(m) = check_state_dir(&self.server.state_dir) {
             return invalid("server.state_dir", m);
+        }
+        let sb = &self.sandbox;
+        for (key, value, range) in [
+            (
+                "sandbox.e2b_default_timeout_secs",
+                sb.e2b_default_timeout_secs,
+                0..=31_536_000,
+            ),
+            (
+                "sandbox.idempotency_window_secs",
+                sb.idempotency_window_secs,
+                1..=86_400,
+            ),
+            (
+                "sandbox.auto_resume_wait_secs",
+                sb.auto_resume_wait_secs,
+                1..=600,
+            ),
+        ] {
+            if !range.contains(&value) {
+                return invalid(
+                    key,
+                    format!("must be within {}..={}", range.start(), range.end()),
+                );
+            }
         }
         if self.images.connect_timeout_secs == 0 {
             return invalid("images.connect_timeout_secs", "must be at least 1".into());

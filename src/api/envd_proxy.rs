@@ -152,6 +152,14 @@ impl EnvdProxy {
         if !authorized(&request, token, &self.api_key) {
             return answer_error(request, &unauthorized());
         }
+        // Only a client with the credential wakes a sleeping sandbox (autoResume).
+        let route = match route {
+            EnvdRoute::NotRunning { .. } => match self.orchestrator.route_waking(&dest.sandbox) {
+                Ok(route) => route,
+                Err(e) => return answer_error(request, &ApiError::from(e)),
+            },
+            other => other,
+        };
         let target = match route {
             EnvdRoute::Running(target) => target,
             EnvdRoute::NotRunning { .. } | EnvdRoute::Unknown => {

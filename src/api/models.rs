@@ -60,7 +60,7 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
         v["guestProtocolViolation"] = json!(violation);
     }
     v["lifecycle"] = json!({
-        "autoResume": false,
+        "autoResume": info.settings.auto_resume,
         "onTimeout": if info.settings.auto_pause { "pause" } else { "kill" },
     });
     v

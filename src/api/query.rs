@@ -2,6 +2,7 @@
 
 use super::error::ApiError;
 use std::collections::BTreeMap;
+use std::time::SystemTime;
 
 /// Splits `a=b&c=d` into decoded pairs, in order.
 pub fn parse(query: &str) -> Vec<(String, String)> {
@@ -68,6 +69,18 @@ pub fn limit(pairs: &[(String, String)]) -> Result<Option<usize>, ApiError> {
     }
 }
 
+/// An RFC 3339 time (`2026-12-01T10:00:00Z`, `...+02:00`, fractions allowed), named `key`.
+pub fn time(pairs: &[(String, String)], key: &str) -> Result<Option<SystemTime>, ApiError> {
+    let Some(v) = get(pairs, key) else {
+        return Ok(None);
+    };
+    let bad = || ApiError::bad_request(format!("{key} must be an RFC 3339 time (got {v:?})"));
+    // An unencoded `+` of the offset arrives as a space.
+    let text = v.trim().replace(' ', "+");
+    let t: jiff::Timestamp = text.parse().map_err(|_| bad())?;
+    Ok(Some(SystemTime::try_from(t).map_err(|_| bad())?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,6 +96,17 @@ mod tests {
         let m = metadata_filter(get(&pairs, "metadata").unwrap());
         assert_eq!(m.get("team").unwrap(), "ai");
         assert_eq!(m.get("env").unwrap(), "prod");
+    }
+
+    #[test]
+    fn times() {
+        let t = |q: &str| time(&parse(q), "t");
+        let epoch = |s: u64| Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(s));
+        assert_eq!(t("t=1970-01-01T00:01:00Z").unwrap(), epoch(60));
+        assert_eq!(t("t=1970-01-01T01:01:00%2B01:00").unwrap(), epoch(60));
+        assert_eq!(t("t=1970-01-01T01:01:00+01:00").unwrap(), epoch(60));
+        assert_eq!(t("").unwrap(), None);
+        assert_eq!(t("t=yesterday").unwrap_err().status, 400);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::{models, query, ApiError, Context, Lane, Reply};
+use crate::config::OnTimeout;
 use crate::orchestrator::{
     ColdStart, CommandRequest, FromSnapshot, Resources, SandboxInfo, SandboxRequest,
     TemplateRequest,
@@ -59,7 +60,7 @@ pub static ROUTES: &[Route] = &[
         list_running(ctx, t.query)
     }),
     r(Post, "/sandboxes", Control, |ctx, req, _| {
-        create_from_template(ctx, req)
+        create_from_template(ctx, req, Defaults::agentenv(ctx))
     }),
     r(Post, "/sandboxes-cold", Control, |ctx, req, _| {
         create_cold(ctx, req)
@@ -68,7 +69,7 @@ pub static ROUTES: &[Route] = &[
         list_v2(ctx, t.query)
     }),
     r(Post, "/v2/sandboxes", Control, |ctx, req, _| {
-        create_from_template(ctx, req)
+        create_from_template(ctx, req, Defaults::e2b(ctx))
     }),
     r(
         Post,
@@ -289,13 +290,6 @@ fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
-    if let Some(Value::Object(ar)) = f.raw("autoResume") {
-        if ar.get("enabled") == Some(&Value::Bool(true)) {
-            return Err(ApiError::bad_request(
-                "autoResume.enabled: true is not supported",
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -323,12 +317,53 @@ fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
     Ok(params)
 }
 
+/// What a create that leaves a field out gets: agentenv's own routes keep their
+/// documented defaults, E2B's route has E2B's (api.md §4.2).
+#[derive(Clone, Copy)]
+struct Defaults {
+    timeout_secs: u64,
+    auto_pause: bool,
+}
+
+impl Defaults {
+    fn agentenv(ctx: &Context) -> Defaults {
+        Defaults {
+            timeout_secs: ctx.orchestrator.config().sandbox.default_timeout_secs,
+            auto_pause: true,
+        }
+    }
+
+    fn e2b(ctx: &Context) -> Defaults {
+        let sandbox = &ctx.orchestrator.config().sandbox;
+        Defaults {
+            timeout_secs: sandbox.e2b_default_timeout_secs,
+            auto_pause: sandbox.e2b_default_on_timeout == OnTimeout::Pause,
+        }
+    }
+}
+
 /// The fields every create shares (api.md §4.2), checked in one place.
-fn create_fields(ctx: &Context, f: &Fields) -> Result<SandboxRequest, ApiError> {
+fn create_fields(
+    ctx: &Context,
+    f: &Fields,
+    defaults: Defaults,
+) -> Result<SandboxRequest, ApiError> {
     let timeout_secs = f
         .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-        .unwrap_or(ctx.orchestrator.config().sandbox.default_timeout_secs);
-    let auto_pause = f.bool("autoPause")?.unwrap_or(true);
+        .unwrap_or(defaults.timeout_secs);
+    let auto_pause = f.bool("autoPause")?.unwrap_or(defaults.auto_pause);
+    let auto_pause_memory = f.bool("autoPauseMemory")?.unwrap_or(true);
+    let auto_resume = auto_resume_field(f)?;
+    if auto_resume && !auto_pause {
+        return Err(ApiError::bad_request(
+            "autoResume.enabled: true needs autoPause: true (onTimeout \"pause\"): a sandbox that is killed on timeout cannot resume",
+        ));
+    }
+    if auto_resume && !auto_pause_memory {
+        return Err(ApiError::bad_request(
+            "autoResume.enabled: true cannot be combined with autoPauseMemory: false (mode \"filesystem\"): a filesystem-only pause must be resumed explicitly with connect",
+        ));
+    }
     let metadata = f.string_map("metadata")?;
     let env_vars = f.string_map("envVars")?;
     check_env("envVars", &env_vars)?;
@@ -336,10 +371,29 @@ fn create_fields(ctx: &Context, f: &Fields) -> Result<SandboxRequest, ApiError> 
     Ok(SandboxRequest {
         timeout_secs,
         auto_pause,
+        auto_pause_memory,
+        auto_resume,
         metadata,
         env_vars,
         allow_internet_access: internet_access(ctx, f)?,
     })
+}
+
+/// `autoResume`: absent, `null` or `{"enabled": bool}`.
+fn auto_resume_field(f: &Fields) -> Result<bool, ApiError> {
+    match f.raw("autoResume") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Object(m)) => match m.get("enabled") {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(ApiError::unprocessable(
+                "field autoResume.enabled must be a boolean",
+            )),
+        },
+        Some(_) => Err(ApiError::unprocessable(
+            "field autoResume must be an object {\"enabled\": bool}",
+        )),
+    }
 }
 
 /// `allowInternetAccess` / `allow_internet_access` (network.md §5.4): absent → the
@@ -357,10 +411,15 @@ fn internet_access(ctx: &Context, f: &Fields) -> Result<Option<bool>, ApiError> 
     Ok(wanted)
 }
 
-fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+fn create_from_template(
+    ctx: &Context,
+    req: &mut Request,
+    defaults: Defaults,
+) -> Result<Reply, ApiError> {
+    let key = idempotency_key(req)?;
     let f = body(ctx, req)?;
     let template = f.required_str("templateID")?.to_string();
-    let request = create_fields(ctx, &f)?;
+    let request = create_fields(ctx, &f, defaults)?;
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
         .int_in("cpuCount", 1..=host.cpus as u64)?
@@ -369,12 +428,16 @@ fn create_from_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiEr
         .int_in("memoryMB", 1..=host.memory_mb.max(128))?
         .map(|v| v as u32);
     let params = params_field(&f)?;
-    let info = ctx.orchestrator.create_from_snapshot(FromSnapshot {
+    let create = FromSnapshot {
         template,
         request,
         params,
         cpu_count,
         memory_mb,
+    };
+    let fingerprint = fingerprint(req.url(), &f);
+    let info = ctx.orchestrator.create_once(key, fingerprint, || {
+        ctx.orchestrator.create_from_snapshot(create)
     })?;
     Ok(created(ctx, &info, 201))
 }
@@ -405,21 +468,62 @@ fn resources(ctx: &Context, f: &Fields) -> Result<Resources, ApiError> {
 }
 
 fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
+    let key = idempotency_key(req)?;
     let f = body(ctx, req)?;
     let image = f.required_str("image")?.trim().to_string();
     if image.is_empty() {
         return Err(ApiError::bad_request("image must not be empty"));
     }
     let resources = resources(ctx, &f)?;
-    let request = create_fields(ctx, &f)?;
+    let request = create_fields(ctx, &f, Defaults::agentenv(ctx))?;
     let params = extension_params(ctx, &f)?;
-    let info = ctx.orchestrator.create_cold(ColdStart {
+    let create = ColdStart {
         image,
         resources,
         request,
         params,
-    })?;
+    };
+    let fingerprint = fingerprint(req.url(), &f);
+    let info = ctx
+        .orchestrator
+        .create_once(key, fingerprint, || ctx.orchestrator.create_cold(create))?;
     Ok(created(ctx, &info, 201))
+}
+
+/// Longest `Idempotency-Key` (E2B's SDKs send 1..=255 characters).
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// The create's `Idempotency-Key` header (api.md §4.2): 1..=255 visible ASCII characters.
+fn idempotency_key(req: &Request) -> Result<Option<String>, ApiError> {
+    let Some(h) = req
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv("Idempotency-Key"))
+    else {
+        return Ok(None);
+    };
+    let key = h.value.as_str();
+    if key.is_empty()
+        || key.len() > MAX_IDEMPOTENCY_KEY
+        || !key.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(ApiError::bad_request(format!(
+            "Idempotency-Key must be 1..={MAX_IDEMPOTENCY_KEY} visible ASCII characters (got {} bytes)",
+            key.len()
+        )));
+    }
+    Ok(Some(key.to_string()))
+}
+
+/// What makes two creates the same request: the route and the body's fields.
+fn fingerprint(url: &str, f: &Fields) -> [u8; 32] {
+    use sha2::Digest;
+    let path = url.split('?').next().unwrap_or(url);
+    let mut hash = sha2::Sha256::new();
+    hash.update(path.as_bytes());
+    hash.update([0]);
+    hash.update(Value::Object(f.0.clone()).to_string().as_bytes());
+    hash.finalize().into()
 }
 
 fn created(ctx: &Context, info: &SandboxInfo, status: u16) -> Reply {
@@ -454,7 +558,7 @@ fn list_running(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
     Ok(Reply::json(200, Value::Array(items)))
 }
 
-/// Sort key of `GET /v2/sandboxes`: startedAt descending, then id descending.
+/// Sort key of `GET /v2/sandboxes`: startedAt, then id (descending unless `order=asc`).
 fn list_key(info: &SandboxInfo) -> (u128, String) {
     let nanos = info
         .started_at
@@ -482,42 +586,97 @@ fn decode_token(token: &str) -> Option<(u128, String)> {
     Some((nanos.parse().ok()?, id.to_string()))
 }
 
-fn list_v2(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
-    let pairs = query::parse(query_string);
-    let filter = query::get(&pairs, "metadata")
-        .map(query::metadata_filter)
-        .unwrap_or_default();
-    let states: Vec<String> = match query::get(&pairs, "state") {
-        None => vec!["running".into(), "paused".into()],
-        Some(v) => v.split(',').map(|s| s.trim().to_string()).collect(),
-    };
-    if states.iter().any(|s| s != "running" && s != "paused") {
-        return Err(ApiError::bad_request(
-            "state must be a comma-separated list of running and paused",
-        ));
+/// The filters and order of `GET /v2/sandboxes` (api.md §4.5), checked.
+struct ListQuery {
+    metadata: std::collections::BTreeMap<String, String>,
+    states: Vec<String>,
+    ascending: bool,
+    started_after: Option<std::time::SystemTime>,
+    started_before: Option<std::time::SystemTime>,
+    template: Option<String>,
+    limit: Option<usize>,
+    after: Option<(u128, String)>,
+}
+
+impl ListQuery {
+    fn parse(query_string: &str) -> Result<ListQuery, ApiError> {
+        let pairs = query::parse(query_string);
+        let states: Vec<String> = match query::get(&pairs, "state") {
+            None => vec!["running".into(), "paused".into()],
+            Some(v) => v.split(',').map(|s| s.trim().to_string()).collect(),
+        };
+        if states.iter().any(|s| s != "running" && s != "paused") {
+            return Err(ApiError::bad_request(
+                "state must be a comma-separated list of running and paused",
+            ));
+        }
+        let ascending = match query::get(&pairs, "order") {
+            None | Some("desc") => false,
+            Some("asc") => true,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "order must be asc or desc (got {other:?})"
+                )))
+            }
+        };
+        let after = match query::get(&pairs, "nextToken") {
+            None => None,
+            Some(t) => {
+                Some(decode_token(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?)
+            }
+        };
+        let started_after = query::time(&pairs, "startedAfter")?;
+        let started_before = query::time(&pairs, "startedBefore")?;
+        Ok(ListQuery {
+            metadata: query::get(&pairs, "metadata")
+                .map(query::metadata_filter)
+                .unwrap_or_default(),
+            states,
+            ascending,
+            started_after,
+            started_before,
+            template: query::get(&pairs, "template").map(str::to_string),
+            limit: query::limit(&pairs)?,
+            after,
+        })
     }
-    let limit = query::limit(&pairs)?;
-    let after = match query::get(&pairs, "nextToken") {
-        None => None,
-        Some(t) => Some(decode_token(t).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?),
-    };
+
+    fn matches(&self, i: &SandboxInfo) -> bool {
+        i.state
+            .api_state()
+            .is_some_and(|s| self.states.iter().any(|w| w == s))
+            && metadata_matches(i, &self.metadata)
+            && self.started_after.is_none_or(|t| i.started_at >= t)
+            && self.started_before.is_none_or(|t| i.started_at <= t)
+            && self.template.as_deref().is_none_or(|t| {
+                i.settings.template_id == t || i.settings.alias.as_deref() == Some(t)
+            })
+    }
+
+    /// Whether `key` comes after the page's cursor in the chosen order.
+    fn past_cursor(&self, key: &(u128, String)) -> bool {
+        match &self.after {
+            None => true,
+            Some(after) if self.ascending => key > after,
+            Some(after) => key < after,
+        }
+    }
+}
+
+fn list_v2(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let q = ListQuery::parse(query_string)?;
     let mut items: Vec<SandboxInfo> = ctx
         .orchestrator
         .list()
         .into_iter()
-        .filter(|i| {
-            i.state
-                .api_state()
-                .is_some_and(|s| states.iter().any(|w| w == s))
-                && metadata_matches(i, &filter)
-        })
+        .filter(|i| q.matches(i) && q.past_cursor(&list_key(i)))
         .collect();
-    items.sort_by_key(|i| std::cmp::Reverse(list_key(i)));
-    if let Some(after) = &after {
-        items.retain(|i| list_key(i) < *after);
+    items.sort_by_key(list_key);
+    if !q.ascending {
+        items.reverse();
     }
     let mut headers = Vec::new();
-    if let Some(limit) = limit {
+    if let Some(limit) = q.limit {
         if items.len() > limit {
             items.truncate(limit);
             let last = items.last().expect("limit >= 1");

@@ -16,6 +16,8 @@ pub(crate) fn settings() -> SandboxSettings {
         },
         timeout_secs: 1,
         auto_pause: true,
+        auto_pause_memory: true,
+        auto_resume: false,
         metadata: Default::default(),
         env_vars: Default::default(),
         image_env: vec![],
@@ -58,6 +60,7 @@ pub(crate) fn capture() -> crate::vm::CaptureRecord {
         disk_allocated_bytes: 0,
         disk_frozen: false,
         dirty: None,
+        filesystem_only: false,
     }
 }
 

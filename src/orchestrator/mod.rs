@@ -14,6 +14,7 @@ mod expiry;
 mod failure_tests;
 #[cfg(test)]
 pub(crate) mod fakes;
+mod idempotency;
 mod lifecycle;
 mod metrics;
 mod operations;
@@ -29,6 +30,7 @@ mod standby_tests;
 mod start;
 mod supervisor;
 mod templates;
+mod wake;
 
 pub use envd::{EnvdRoute, EnvdTarget};
 pub use error::OrchError;
@@ -110,6 +112,7 @@ pub(crate) struct Shared {
     pub snapshots: snapshots::Snapshots,
     pub builds: templates::Builds,
     pub operations: OperationCounters,
+    pub idempotency: idempotency::IdempotencyKeys,
     pub shutting_down: AtomicBool,
 }
 
@@ -159,6 +162,9 @@ impl Orchestrator {
         standby::StandbyPool::start(&launcher, sandboxes_dir.clone());
         let registry = Arc::new(Registry::new(sandboxes_dir, sandboxes));
         expiry::spawn(Arc::downgrade(&registry));
+        let idempotency = idempotency::IdempotencyKeys::new(Duration::from_secs(
+            config.sandbox.idempotency_window_secs,
+        ));
         let shared = Arc::new(Shared {
             config,
             registry,
@@ -167,6 +173,7 @@ impl Orchestrator {
             snapshots,
             builds,
             operations: OperationCounters::default(),
+            idempotency,
             shutting_down: AtomicBool::new(false),
         });
         Orchestrator { shared }
@@ -203,6 +210,27 @@ impl Orchestrator {
             operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req);
         self.shared.operations.record("create_cold", result.is_ok());
         result
+    }
+
+    /// Runs `create` once per `key` within the idempotency window (api.md §4.2): a retry
+    /// with the same request gets the first call's sandbox, a different request 409.
+    pub fn create_once(
+        &self,
+        key: Option<String>,
+        fingerprint: idempotency::Fingerprint,
+        create: impl FnOnce() -> Result<SandboxInfo, OrchError>,
+    ) -> Result<SandboxInfo, OrchError> {
+        let Some(key) = key else {
+            return create();
+        };
+        match self.shared.idempotency.claim(&key, fingerprint)? {
+            idempotency::Claim::Replay(info) => Ok(*info),
+            idempotency::Claim::First(claim) => {
+                let info = create()?;
+                claim.finish(&info);
+                Ok(info)
+            }
+        }
     }
 
     /// A visible sandbox's description.
@@ -397,6 +425,8 @@ impl Orchestrator {
             resources,
             timeout_secs: req.request.timeout_secs,
             auto_pause: req.request.auto_pause,
+            auto_pause_memory: req.request.auto_pause_memory,
+            auto_resume: req.request.auto_resume,
             internet_access: req.request.internet_access(launcher.outbound),
             metadata: req.request.metadata,
             env_vars,
@@ -550,6 +580,23 @@ impl Orchestrator {
     /// How the envd proxy reaches sandbox `id`, if at all.
     pub fn envd_route(&self, id: &str) -> EnvdRoute {
         envd::route(&self.shared.registry, id)
+    }
+
+    /// Where traffic for sandbox `id` goes (the one entry point of the envd proxy, for
+    /// envd and every other port): as [`Orchestrator::envd_route`], except that a paused
+    /// sandbox with `autoResume` is resumed first; the caller waits for that at most
+    /// `[sandbox] auto_resume_wait_secs` (then 503), and concurrent callers share the
+    /// one resume. Errors: the resume's own (429 at capacity, 502 when start-resume
+    /// failed, ...), 409 for a filesystem-only pause, 503 during shutdown.
+    pub fn route_waking(&self, id: &str) -> Result<EnvdRoute, OrchError> {
+        let route = envd::route(&self.shared.registry, id);
+        if matches!(route, EnvdRoute::Running(_) | EnvdRoute::Unknown) {
+            return Ok(route);
+        }
+        self.refuse_when_shutting_down()?;
+        let wait = Duration::from_secs(self.shared.config.sandbox.auto_resume_wait_secs);
+        let shared = &self.shared;
+        wake::route_waking(&shared.registry, &shared.launcher, id, wait)
     }
 
     /// Whether VM `instance` still runs sandbox `id`.

@@ -117,6 +117,8 @@ pub(crate) fn create_cold(
         resources: req.resources,
         timeout_secs: req.request.timeout_secs,
         auto_pause: req.request.auto_pause,
+        auto_pause_memory: req.request.auto_pause_memory,
+        auto_resume: req.request.auto_resume,
         internet_access: req.request.internet_access(launcher.outbound),
         metadata: req.request.metadata,
         env_vars: req.request.env_vars,

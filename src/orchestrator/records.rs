@@ -205,6 +205,7 @@ mod tests {
             disk_allocated_bytes: 0,
             disk_frozen: false,
             dirty: None,
+            filesystem_only: false,
         };
         let rel = relative_capture(&capture, Path::new("/srv/state"));
         assert_eq!(rel.kernel, Path::new("/opt/assets/vmlinuz"));

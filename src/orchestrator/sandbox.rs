@@ -6,7 +6,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -248,6 +248,10 @@ pub struct SandboxEntry {
     /// The committed capture while paused.
     pub paused: Mutex<Option<crate::vm::CaptureRecord>>,
     pub running_commands: AtomicU32,
+    /// Whether an auto-resume runs ([`super::wake`]); its failure, for the requests that
+    /// wait on it.
+    pub waking: AtomicBool,
+    pub wake_error: Mutex<Option<super::OrchError>>,
     /// patch-params calls in flight; pause, delete and snapshot wait for them (custom-extension.md §6.4).
     patches: Mutex<u32>,
     patches_done: Condvar,
@@ -261,6 +265,8 @@ impl SandboxEntry {
             runtime: Mutex::new(runtime),
             paused: Mutex::new(None),
             running_commands: AtomicU32::new(0),
+            waking: AtomicBool::new(false),
+            wake_error: Mutex::new(None),
             patches: Mutex::new(0),
             patches_done: Condvar::new(),
         }
@@ -291,6 +297,14 @@ impl SandboxEntry {
         while *n > 0 {
             self.patches_done.wait(&mut n);
         }
+    }
+
+    /// Whether the committed pause kept the disk only (a resume cold-boots).
+    pub fn paused_filesystem_only(&self) -> bool {
+        self.paused
+            .lock()
+            .as_ref()
+            .is_some_and(|c| c.filesystem_only)
     }
 
     pub fn state(&self) -> SandboxState {

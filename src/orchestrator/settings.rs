@@ -31,6 +31,13 @@ pub struct SandboxSettings {
     pub resources: Resources,
     pub timeout_secs: u64,
     pub auto_pause: bool,
+    /// What a timeout's pause keeps: memory and disk (`true`, E2B's `mode: "full"`) or the
+    /// disk only (`false`, `mode: "filesystem"`). Records from before it: full.
+    #[serde(default = "full_pause")]
+    pub auto_pause_memory: bool,
+    /// Whether a request for the paused sandbox resumes it (E2B's `autoResume`).
+    #[serde(default)]
+    pub auto_resume: bool,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     /// The image's own environment, lowest precedence for commands.
@@ -42,12 +49,18 @@ pub struct SandboxSettings {
     pub custom_extension_params: Value,
 }
 
+fn full_pause() -> bool {
+    true
+}
+
 /// What every create request sets (a cold start and a start from a snapshot), checked
 /// field by field by the API.
 #[derive(Debug, Clone)]
 pub struct SandboxRequest {
     pub timeout_secs: u64,
     pub auto_pause: bool,
+    pub auto_pause_memory: bool,
+    pub auto_resume: bool,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     /// `None`: the server default (`[network] outbound`).

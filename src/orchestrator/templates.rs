@@ -360,6 +360,8 @@ fn build(
         resources: req.resources,
         timeout_secs: shared.config.sandbox.default_timeout_secs,
         auto_pause: true,
+        auto_pause_memory: true,
+        auto_resume: false,
         metadata: BTreeMap::new(),
         env_vars: req.env_vars.clone(),
         image_env: image.env.clone(),

@@ -105,6 +105,10 @@ pub struct CaptureRecord {
     /// pages over it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dirty: Option<DirtyMemory>,
+    /// A filesystem-only pause: the disk chain and the boot facts, no state file and no
+    /// memory; its resume cold-boots from the disk.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub filesystem_only: bool,
 }
 
 impl CaptureRecord {
@@ -399,6 +403,7 @@ impl Vm {
             disk_virtual_bytes: chain.virtual_size,
             disk_frozen,
             dirty: None,
+            filesystem_only: false,
         }
     }
 
@@ -833,6 +838,7 @@ mod tests {
             disk_allocated_bytes: 4096,
             disk_frozen: true,
             dirty: None,
+            filesystem_only: false,
         };
         let json = serde_json::to_string(&record).unwrap();
         assert!(

@@ -7,6 +7,8 @@ pub mod registry;
 
 pub mod extension;
 
+pub mod sdk;
+
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
