@@ -78,6 +78,10 @@ pub struct TemplatesConfig {
     pub start_cmd_timeout_secs: u64,
     /// Pre-spawned QEMU processes kept ready per built template (0 = none).
     pub standby_per_template: u32,
+    /// A template build (steps, start and ready commands) must end within this.
+    pub build_timeout_secs: u64,
+    /// Largest files upload of a template build (`PUT` of a COPY step's tar).
+    pub max_upload_bytes: u64,
 }
 
 /// `[custom_extension]` (custom-extension.md §1). `url` unset, empty or whitespace-only
@@ -641,6 +645,12 @@ impl Config {
             return invalid(
                 "templates.standby_per_template",
                 "must be at most 16".into(),
+            );
+        }
+        if !(1..=86_400).contains(&self.templates.build_timeout_secs) {
+            return invalid(
+                "templates.build_timeout_secs",
+                "must be within 1..=86400".into(),
             );
         }
         if !(1..=86_400).contains(&self.templates.start_cmd_timeout_secs) {

@@ -8,6 +8,7 @@
 //! 503) are answered by a few rejecter threads. A handler that panics answers 500.
 
 mod body;
+mod e2b_templates;
 mod envd_proxy;
 mod error;
 mod models;
@@ -383,6 +384,11 @@ fn check_auth(ctx: &Context, request: &Request) -> Result<(), ApiError> {
         && (path == "/health"
             || path == "/openapi.json"
             || (path == "/metrics" && !ctx.orchestrator.config().metrics.require_api_key));
+    // A build's upload link carries its own token instead (checked by its handler).
+    let upload = *request.method() == tiny_http::Method::Put
+        && path.starts_with("/templates/")
+        && path.contains("/files/");
+    let exempt = exempt || upload;
     if exempt {
         Ok(())
     } else {

@@ -1,6 +1,6 @@
 //! Response bodies (api.md §3). Field names marked [E2B] in the spec are read by E2B SDKs.
 
-use crate::orchestrator::{SandboxInfo, SnapshotRecord, TemplateBuild};
+use crate::orchestrator::{CatalogTemplate, SandboxInfo, SnapshotRecord, TemplateBuild};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
 
@@ -145,6 +145,35 @@ pub fn template(
         build.map_or(("ready", (0, 0)), |b| (b.phase().as_str(), b.pull_bytes()));
     v["progress"] = json!({"phase": phase, "pullBytesDone": done, "pullBytesTotal": total});
     v
+}
+
+/// `Template` (§3.4) of an E2B template: its latest ready build (`buildID`, resources
+/// from its snapshot), `building` until one is ready.
+pub fn catalog_template(
+    t: &CatalogTemplate,
+    current: Option<&SnapshotRecord>,
+    envd_version: &str,
+) -> Value {
+    let resources = current.map(|s| s.settings.resources);
+    json!({
+        "templateID": t.id,
+        "buildID": t.current().unwrap_or(""),
+        "names": [t.name],
+        "aliases": [t.name],
+        "cpuCount": resources.map_or(0, |r| r.cpu_count),
+        "memoryMB": resources.map_or(0, |r| r.memory_mb),
+        "diskSizeMB": resources.map_or(0, |r| r.disk_size_mb),
+        "public": false,
+        "createdBy": null,
+        "createdAt": rfc3339(t.created_at),
+        "updatedAt": rfc3339(t.updated_at),
+        "lastSpawnedAt": current.and_then(|s| s.last_spawned_at).map(rfc3339),
+        "spawnCount": current.map_or(0, |s| s.spawn_count),
+        "buildCount": t.build_count,
+        "envdVersion": envd_version,
+        "buildStatus": if current.is_some() { "ready" } else { "building" },
+        "tags": t.tags.keys().collect::<Vec<_>>(),
+    })
 }
 
 /// A guest's envd metrics sample (`ts`, `cpu_count`, ... in bytes) as E2B's

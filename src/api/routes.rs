@@ -1,6 +1,7 @@
 //! Routing and the endpoint handlers of api.md §4.
 
 use super::body::{check_env, read_json, Fields};
+use super::e2b_templates as e2b;
 use super::{models, query, ApiError, Context, Lane, Reply};
 use crate::config::OnTimeout;
 use crate::orchestrator::{
@@ -20,10 +21,12 @@ const MAX_TIMEOUT_SECS: u64 = 31_536_000;
 /// A connect without `timeout` (the E2B SDKs send `{}`): E2B's default (api.md §4.10).
 const CONNECT_DEFAULT_TIMEOUT_SECS: u64 = 300;
 
-/// Where a request matched: the path's one variable (`""` when it has none) and the raw
+/// Where a request matched: the path's variables (`""` when it has none) and the raw
 /// query string.
 pub struct Target<'a> {
     pub var: &'a str,
+    /// The second path variable (`{buildID}`, `{hash}`), `""` when there is none.
+    pub var2: &'a str,
     pub query: &'a str,
 }
 
@@ -162,6 +165,49 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/snapshots/{idOrName}", Quick, |ctx, _, t| {
         get_snapshot(ctx, t.var)
     }),
+    // E2B's template build API (api.md §4.15.1); the fixed `/templates/tags` and
+    // `/templates/aliases/…` paths come before `/templates/{idOrName}`.
+    r(Post, "/v3/templates", Control, |ctx, req, _| {
+        e2b::request_build(ctx, req)
+    }),
+    r(Get, "/v2/templates", Quick, |ctx, _, _| e2b::list(ctx)),
+    r(
+        Post,
+        "/v2/templates/{templateID}/builds/{buildID}",
+        Control,
+        e2b::start_build,
+    ),
+    r(
+        Get,
+        "/templates/{templateID}/builds/{buildID}/status",
+        Quick,
+        |ctx, _, t| e2b::build_status(ctx, t),
+    ),
+    r(
+        Get,
+        "/templates/{templateID}/builds/{buildID}/logs",
+        Quick,
+        |ctx, _, t| e2b::build_logs(ctx, t),
+    ),
+    r(
+        Get,
+        "/templates/{templateID}/files/{hash}",
+        Quick,
+        |ctx, req, t| e2b::upload_link(ctx, req, t),
+    ),
+    r(Put, "/templates/{templateID}/files/{hash}", Io, e2b::upload),
+    r(Get, "/templates/aliases/{alias}", Quick, |ctx, _, t| {
+        e2b::alias(ctx, t)
+    }),
+    r(Post, "/templates/tags", Control, |ctx, req, _| {
+        e2b::assign_tags(ctx, req)
+    }),
+    r(Delete, "/templates/tags", Control, |ctx, req, _| {
+        e2b::remove_tags(ctx, req)
+    }),
+    r(Get, "/templates/{templateID}/tags", Quick, |ctx, _, t| {
+        e2b::tags(ctx, t)
+    }),
     r(Get, "/templates", Quick, |ctx, _, _| list_templates(ctx)),
     r(Post, "/templates", Control, |ctx, req, _| {
         create_template(ctx, req)
@@ -174,19 +220,21 @@ pub static ROUTES: &[Route] = &[
     }),
 ];
 
-/// The route's path variable when `path` matches `pattern`, `""` when it has none.
-fn matches<'a>(pattern: &str, path: &'a str) -> Option<&'a str> {
-    let mut var = "";
+/// The route's path variables when `path` matches `pattern`, `""` for those it lacks.
+fn matches<'a>(pattern: &str, path: &'a str) -> Option<[&'a str; 2]> {
+    let mut vars = ["", ""];
+    let mut n = 0;
     let mut have = path.trim_start_matches('/').split('/');
     for want in pattern.trim_start_matches('/').split('/') {
         let seg = have.next()?;
         if want.starts_with('{') {
-            var = seg;
+            vars[n.min(1)] = seg;
+            n += 1;
         } else if want != seg {
             return None;
         }
     }
-    have.next().is_none().then_some(var)
+    have.next().is_none().then_some(vars)
 }
 
 /// The route for `method` and `path`; `Err` with the methods `path` allows (empty when
@@ -194,7 +242,7 @@ fn matches<'a>(pattern: &str, path: &'a str) -> Option<&'a str> {
 pub fn find<'a>(
     method: &Method,
     path: &'a str,
-) -> Result<(&'static Route, &'a str), Vec<&'static str>> {
+) -> Result<(&'static Route, [&'a str; 2]), Vec<&'static str>> {
     let mut allowed = Vec::new();
     for route in ROUTES {
         if let Some(var) = matches(route.path, path) {
@@ -211,7 +259,7 @@ pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let url = req.url().to_string();
     let (path, query) = url.split_once('?').unwrap_or((&url, ""));
     match find(req.method(), path) {
-        Ok((route, var)) => (route.handler)(ctx, req, &Target { var, query }),
+        Ok((route, [var, var2])) => (route.handler)(ctx, req, &Target { var, var2, query }),
         Err(allowed) if allowed.is_empty() => {
             Err(ApiError::not_found(format!("no such endpoint: {path}")))
         }
@@ -219,7 +267,7 @@ pub fn route(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     }
 }
 
-fn body(ctx: &Context, req: &mut Request) -> Result<Fields, ApiError> {
+pub(super) fn body(ctx: &Context, req: &mut Request) -> Result<Fields, ApiError> {
     let content_type = req
         .headers()
         .iter()
@@ -443,7 +491,7 @@ fn create_from_template(
 }
 
 /// `cpuCount`, `memoryMB` and `diskSizeMB` of a boot from an image (api.md §4.3).
-fn resources(ctx: &Context, f: &Fields) -> Result<Resources, ApiError> {
+pub(super) fn resources(ctx: &Context, f: &Fields) -> Result<Resources, ApiError> {
     let cfg = ctx.orchestrator.config();
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
@@ -871,6 +919,7 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
         resources,
         start_cmd,
         env_vars,
+        catalog: None,
     })?;
     Ok(Reply::json(
         202,
@@ -1126,8 +1175,27 @@ mod tests {
         let id = "01900000-0000-7000-8000-000000000000";
         let pause = format!("/sandboxes/{id}/pause");
         let (route, var) = find(&Method::Post, &pause).ok().unwrap();
-        assert_eq!((route.path, var), ("/sandboxes/{sandboxID}/pause", id));
-        assert_eq!(find(&Method::Get, "/v2/sandboxes").ok().unwrap().1, "");
+        assert_eq!(
+            (route.path, var),
+            ("/sandboxes/{sandboxID}/pause", [id, ""])
+        );
+        assert_eq!(
+            find(&Method::Get, "/v2/sandboxes").ok().unwrap().1,
+            ["", ""]
+        );
+        let (route, vars) = find(&Method::Get, "/templates/t1/builds/b1/status").unwrap();
+        assert_eq!(
+            (route.path, vars),
+            (
+                "/templates/{templateID}/builds/{buildID}/status",
+                ["t1", "b1"]
+            )
+        );
+        let (route, _) = find(&Method::Delete, "/templates/tags").unwrap();
+        assert_eq!(
+            route.path, "/templates/tags",
+            "fixed paths before /templates/{{idOrName}}"
+        );
         assert_eq!(
             find(&Method::Put, &format!("/sandboxes/{id}"))
                 .err()

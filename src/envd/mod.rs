@@ -11,6 +11,7 @@
 //! Callers: the envd proxy (`api/envd_proxy.rs`) on its stream threads.
 
 mod chunked;
+pub mod process;
 
 pub use chunked::ChunkedReader;
 

@@ -7,6 +7,9 @@
 //! operation, an image build or a slot allocation.
 
 mod admission;
+mod build_files;
+mod build_steps;
+mod catalog;
 mod envd;
 mod error;
 mod expiry;
@@ -28,16 +31,20 @@ mod standby;
 #[cfg(test)]
 mod standby_tests;
 mod start;
+pub mod steps;
 mod supervisor;
 mod templates;
 mod wake;
 
+pub use build_files::UploadError;
+pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use settings::{Resources, SandboxRequest, SandboxSettings};
+pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
-pub use templates::{BuildStatus, TemplateBuild, TemplateRequest};
+pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
 
 use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;
@@ -111,6 +118,10 @@ pub(crate) struct Shared {
     pub images: ImageStore,
     pub snapshots: snapshots::Snapshots,
     pub builds: templates::Builds,
+    /// E2B templates (`/v3/templates`): names, tags, builds.
+    pub catalog: catalog::Catalog,
+    /// COPY files uploaded for builds.
+    pub uploads: build_files::Uploads,
     pub operations: OperationCounters,
     pub idempotency: idempotency::IdempotencyKeys,
     pub shutting_down: AtomicBool,
@@ -165,6 +176,11 @@ impl Orchestrator {
         let idempotency = idempotency::IdempotencyKeys::new(Duration::from_secs(
             config.sandbox.idempotency_window_secs,
         ));
+        let catalog = catalog::Catalog::load(config.server.state_dir.join("catalog"));
+        let uploads = build_files::Uploads::new(
+            config.server.state_dir.join("template-files"),
+            config.templates.max_upload_bytes,
+        );
         let shared = Arc::new(Shared {
             config,
             registry,
@@ -172,6 +188,8 @@ impl Orchestrator {
             images,
             snapshots,
             builds,
+            catalog,
+            uploads,
             operations: OperationCounters::default(),
             idempotency,
             shutting_down: AtomicBool::new(false),
@@ -344,17 +362,106 @@ impl Orchestrator {
         (build.is_some() || snapshot.is_some()).then_some((build, snapshot))
     }
 
-    /// Every template build with its snapshot once ready.
+    /// Every template build with its snapshot once ready (E2B builds are listed by
+    /// [`Orchestrator::catalog_templates`]).
     pub fn templates(&self) -> Vec<(TemplateBuild, Option<SnapshotRecord>)> {
         self.shared
             .builds
             .list()
             .into_iter()
+            .filter(|b| b.catalog.is_none())
             .map(|b| {
                 let snap = self.shared.snapshots.lookup(&b.id);
                 (b, snap)
             })
             .collect()
+    }
+
+    /// The E2B templates, each with its latest ready build (and that build's snapshot).
+    pub fn catalog_templates(&self) -> Vec<(CatalogTemplate, Option<SnapshotRecord>)> {
+        self.shared
+            .catalog
+            .list()
+            .into_iter()
+            .map(|t| {
+                let snap = t.current().and_then(|b| self.shared.snapshots.lookup(b));
+                (t, snap)
+            })
+            .collect()
+    }
+
+    /// An E2B template by id or name.
+    pub fn catalog_template(&self, id_or_name: &str) -> Option<CatalogTemplate> {
+        self.shared.catalog.find(id_or_name)
+    }
+
+    /// A build by id (any kind).
+    pub fn build(&self, build_id: &str) -> Option<TemplateBuild> {
+        self.shared
+            .builds
+            .find(build_id)
+            .filter(|b| b.id == build_id)
+    }
+
+    /// `POST /v3/templates`: a new build of `name` (the template made when new).
+    pub fn request_build(
+        &self,
+        name: &str,
+        tags: Vec<String>,
+        resources: Resources,
+    ) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
+        self.refuse_when_shutting_down()?;
+        templates::request_build(&self.shared, name, tags, resources)
+    }
+
+    /// `POST /v2/templates/{id}/builds/{buildID}`: the build starts with its steps.
+    pub fn start_build(
+        &self,
+        template_id: &str,
+        build_id: &str,
+        spec: steps::BuildSpec,
+    ) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        templates::start_build(&self.shared, template_id, build_id, spec)
+    }
+
+    /// Whether a build's files of `hash` are uploaded already.
+    pub fn files_present(&self, hash: &str) -> bool {
+        self.shared.uploads.present(hash)
+    }
+
+    /// A token for the upload link of `hash`.
+    pub fn grant_upload(&self, hash: &str) -> String {
+        self.shared.uploads.grant(hash)
+    }
+
+    /// Whether `token` opens the upload link of `hash`.
+    pub fn check_upload(&self, hash: &str, token: &str) -> bool {
+        self.shared.uploads.check(hash, token)
+    }
+
+    /// The largest files upload taken.
+    pub fn max_upload_bytes(&self) -> u64 {
+        self.shared.uploads.max_bytes()
+    }
+
+    /// The `PUT` of a build's files (a tar, maybe gzipped).
+    pub fn receive_files(
+        &self,
+        hash: &str,
+        body: &mut dyn std::io::Read,
+    ) -> Result<(), UploadError> {
+        self.shared.uploads.receive(hash, body)
+    }
+
+    /// `POST /templates/tags`: `tags` for the build `target` (`name:tag`) points at.
+    pub fn assign_tags(&self, target: &str, tags: &[String]) -> Result<String, OrchError> {
+        self.shared.catalog.assign_tags(target, tags)
+    }
+
+    /// `DELETE /templates/tags`: builds no tag points at any more are deleted.
+    pub fn remove_tags(&self, name: &str, tags: &[String]) -> Result<(), OrchError> {
+        templates::remove_tags(&self.shared, name, tags)
     }
 
     /// `POST /templates`: 202 with the build, which goes on in the background.
@@ -367,6 +474,9 @@ impl Orchestrator {
     /// Sandboxes made from it keep working.
     pub fn delete_template(&self, id_or_name: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
+        if self.shared.catalog.find(id_or_name).is_some() {
+            return templates::delete_catalog_template(&self.shared, id_or_name);
+        }
         if let Some((Some(build), _)) = self.find_template(id_or_name) {
             if matches!(build.status, BuildStatus::Waiting | BuildStatus::Building) {
                 return Err(OrchError::Conflict(format!(
@@ -394,8 +504,13 @@ impl Orchestrator {
     }
 
     fn create_from_snapshot_inner(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
+        // An E2B template (name, name:tag or id) means its ready build's snapshot.
+        let key = match self.shared.catalog.resolve(&req.template) {
+            Some(build) => build?,
+            None => req.template.clone(),
+        };
         let snap =
-            self.shared.snapshots.lookup(&req.template).ok_or_else(|| {
+            self.shared.snapshots.lookup(&key).ok_or_else(|| {
                 OrchError::BadRequest(format!("template {} not found", req.template))
             })?;
         let resources = snap.settings.resources;

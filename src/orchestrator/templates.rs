@@ -5,11 +5,14 @@
 //! max_concurrent_builds` at once; their status is durable, and a build interrupted by a
 //! restart becomes `error`.
 
+use super::build_steps::{StepFailure, StepRunner};
+use super::catalog::CatalogTemplate;
 use super::operations;
 use super::sandbox::{Op, SandboxInfo};
 use super::settings::{Resources, SandboxSettings};
 use super::snapshots::{SnapshotRecord, TemplateSource};
 use super::start::{StartKind, StartRequest};
+use super::steps::{BuildBase, BuildSpec, StepState};
 use super::supervisor::{PauseOutcome, RunDir, Unwatched};
 use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
@@ -19,8 +22,12 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Most log entries a build keeps (later ones are counted, not kept).
+const MAX_LOG_ENTRIES: usize = 20_000;
 
 /// Most of a failed startCmd's stderr kept in the build's `reason`.
 const STDERR_TAIL: usize = 4096;
@@ -33,6 +40,71 @@ pub struct TemplateRequest {
     pub resources: Resources,
     pub start_cmd: Option<String>,
     pub env_vars: BTreeMap<String, String>,
+    /// An E2B build (`/v3/templates`): its catalog template, tags and steps.
+    pub catalog: Option<CatalogBuild>,
+}
+
+/// What an E2B build belongs to and runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CatalogBuild {
+    pub template_id: String,
+    pub tags: Vec<String>,
+    /// Set when the build is started (`POST /v2/templates/{id}/builds/{buildID}`).
+    pub spec: Option<BuildSpec>,
+}
+
+/// A build log entry's level (E2B's `LogLevel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+    }
+}
+
+/// One line of a build's log (E2B's `BuildLogEntry`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LogEntry {
+    pub timestamp: SystemTime,
+    pub level: LogLevel,
+    pub message: String,
+    pub step: Option<String>,
+}
+
+/// A build's log, shared by its build thread and readers; bounded.
+#[derive(Debug, Clone, Default)]
+pub struct BuildLog(Arc<Mutex<Vec<LogEntry>>>);
+
+impl BuildLog {
+    pub fn push(&self, level: LogLevel, message: String, step: Option<&str>) {
+        let mut log = self.0.lock();
+        if log.len() < MAX_LOG_ENTRIES {
+            log.push(LogEntry {
+                timestamp: SystemTime::now(),
+                level,
+                message,
+                step: step.map(str::to_string),
+            });
+        }
+    }
+
+    pub fn entries(&self) -> Vec<LogEntry> {
+        self.0.lock().clone()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +164,9 @@ pub struct BuildProgress {
     /// Set once the image is ready (the VM steps); before that the image's phase counts.
     vm_phase: Arc<Mutex<Option<BuildPhase>>>,
     image: crate::image::Progress,
+    pub log: BuildLog,
+    /// Set when the template is deleted during the build: the build stops.
+    pub cancelled: Arc<AtomicBool>,
 }
 
 impl BuildProgress {
@@ -126,8 +201,16 @@ pub struct TemplateBuild {
     pub resources: Resources,
     pub status: BuildStatus,
     pub reason: Option<String>,
+    /// The step a failed E2B build failed in (1-based, or `base` / `finalize`).
+    #[serde(default)]
+    pub reason_step: Option<String>,
     pub created_at: SystemTime,
     pub updated_at: SystemTime,
+    #[serde(default)]
+    pub catalog: Option<CatalogBuild>,
+    /// The log of a finished build (a running one's is in `progress`).
+    #[serde(default)]
+    pub logs: Vec<LogEntry>,
     #[serde(skip)]
     pub progress: BuildProgress,
 }
@@ -139,6 +222,16 @@ impl TemplateBuild {
             BuildStatus::Building => self.progress.phase(),
             BuildStatus::Ready => BuildPhase::Ready,
             BuildStatus::Error => BuildPhase::Failed,
+        }
+    }
+
+    /// The build's log so far.
+    pub fn log_entries(&self) -> Vec<LogEntry> {
+        let live = self.progress.log.entries();
+        if live.is_empty() {
+            self.logs.clone()
+        } else {
+            live
         }
     }
 
@@ -206,11 +299,18 @@ impl Builds {
     }
 
     fn update(&self, id: &str, status: BuildStatus, reason: Option<String>) {
+        self.change(id, |b| {
+            b.status = status;
+            b.reason = reason;
+        });
+    }
+
+    /// Changes a build's record and stores it.
+    fn change(&self, id: &str, f: impl FnOnce(&mut TemplateBuild)) {
         let updated = {
             let mut builds = self.builds.lock();
             builds.get_mut(id).map(|b| {
-                b.status = status;
-                b.reason = reason;
+                f(b);
                 b.updated_at = SystemTime::now();
                 b.clone()
             })
@@ -243,21 +343,14 @@ pub(crate) fn submit(
     req: TemplateRequest,
 ) -> Result<TemplateBuild, OrchError> {
     let id = crate::util::new_id();
+    if shared.catalog.find(&req.name).is_some() {
+        return Err(OrchError::Conflict(format!(
+            "name {} is already used by a template",
+            req.name
+        )));
+    }
     shared.snapshots.reserve_name(&req.name, &id)?;
-    let now = SystemTime::now();
-    let build = TemplateBuild {
-        id: id.clone(),
-        name: req.name.clone(),
-        image: req.image.clone(),
-        start_cmd: req.start_cmd.clone(),
-        env_vars: req.env_vars.clone(),
-        resources: req.resources,
-        status: BuildStatus::Waiting,
-        reason: None,
-        created_at: now,
-        updated_at: now,
-        progress: BuildProgress::default(),
-    };
+    let build = new_build(&id, &req);
     if let Err(e) = save(&shared.builds.dir, &build) {
         shared.snapshots.release_name(&req.name);
         return Err(e);
@@ -267,6 +360,33 @@ pub(crate) fn submit(
         .builds
         .lock()
         .insert(id.clone(), build.clone());
+    enqueue(shared, &id, req);
+    Ok(build)
+}
+
+fn new_build(id: &str, req: &TemplateRequest) -> TemplateBuild {
+    let now = SystemTime::now();
+    TemplateBuild {
+        id: id.to_string(),
+        name: req.name.clone(),
+        image: req.image.clone(),
+        start_cmd: req.start_cmd.clone(),
+        env_vars: req.env_vars.clone(),
+        resources: req.resources,
+        status: BuildStatus::Waiting,
+        reason: None,
+        reason_step: None,
+        created_at: now,
+        updated_at: now,
+        catalog: req.catalog.clone(),
+        logs: Vec::new(),
+        progress: BuildProgress::default(),
+    }
+}
+
+/// Queues a registered build; starts a build thread when fewer than allowed run.
+fn enqueue(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
+    let id = id.to_string();
     let mut queue = shared.builds.queue.lock();
     queue.waiting.push_back((id.clone(), req));
     if queue.threads < shared.config.templates.max_concurrent_builds as usize {
@@ -283,7 +403,115 @@ pub(crate) fn submit(
             ),
         }
     }
-    Ok(build)
+}
+
+/// `POST /v3/templates`: a new build of template `name` (made when new), waiting for its
+/// steps (`POST /v2/templates/{id}/builds/{buildID}`).
+pub(crate) fn request_build(
+    shared: &Arc<Shared>,
+    name: &str,
+    tags: Vec<String>,
+    resources: super::settings::Resources,
+) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
+    if shared.catalog.find(name).is_none() && shared.snapshots.lookup(name).is_some() {
+        return Err(OrchError::Conflict(format!(
+            "name {name} is already used by a snapshot or a template built with POST /templates"
+        )));
+    }
+    let build_id = crate::util::new_id();
+    let template = shared.catalog.add_build(name, &build_id)?;
+    let req = TemplateRequest {
+        name: name.to_string(),
+        image: String::new(),
+        resources,
+        start_cmd: None,
+        env_vars: BTreeMap::new(),
+        catalog: Some(CatalogBuild {
+            template_id: template.id.clone(),
+            tags,
+            spec: None,
+        }),
+    };
+    let build = new_build(&build_id, &req);
+    if let Err(e) = save(&shared.builds.dir, &build) {
+        shared.catalog.drop_build(&template.id, &build_id);
+        return Err(e);
+    }
+    shared.builds.builds.lock().insert(build_id, build.clone());
+    Ok((template, build))
+}
+
+/// `POST /v2/templates/{id}/builds/{buildID}`: starts a requested build with its steps.
+/// 409 when it was started already or another build of the template is under way.
+pub(crate) fn start_build(
+    shared: &Arc<Shared>,
+    template_id: &str,
+    build_id: &str,
+    spec: BuildSpec,
+) -> Result<(), OrchError> {
+    let template = shared
+        .catalog
+        .find(template_id)
+        .ok_or_else(|| OrchError::NotFound(format!("template {template_id} not found")))?;
+    let image = match &spec.base {
+        BuildBase::Image(i) => i.clone(),
+        BuildBase::Template(t) => {
+            return Err(OrchError::BadRequest(format!(
+                "fromTemplate ({t}) is not supported yet: build from its image (fromImage)"
+            )))
+        }
+    };
+    let req = {
+        let mut builds = shared.builds.builds.lock();
+        let busy = builds.values().find(|b| {
+            b.id != build_id
+                && matches!(b.status, BuildStatus::Waiting | BuildStatus::Building)
+                && b.catalog
+                    .as_ref()
+                    .is_some_and(|c| c.template_id == template.id && c.spec.is_some())
+        });
+        if let Some(other) = busy {
+            return Err(OrchError::Conflict(format!(
+                "template {} is already building (build {}); wait for it to finish",
+                template.name, other.id
+            )));
+        }
+        let b = builds
+            .get_mut(build_id)
+            .filter(|b| {
+                b.catalog
+                    .as_ref()
+                    .is_some_and(|c| c.template_id == template.id)
+            })
+            .ok_or_else(|| {
+                OrchError::NotFound(format!(
+                    "build {build_id} of template {template_id} not found"
+                ))
+            })?;
+        let catalog = b.catalog.as_mut().expect("checked");
+        if catalog.spec.is_some() || b.status != BuildStatus::Waiting {
+            return Err(OrchError::Conflict(format!(
+                "build {build_id} was started already"
+            )));
+        }
+        catalog.spec = Some(spec.clone());
+        b.image = image.clone();
+        b.start_cmd = spec.start_cmd.clone();
+        b.updated_at = SystemTime::now();
+        TemplateRequest {
+            name: b.name.clone(),
+            image,
+            resources: b.resources,
+            start_cmd: spec.start_cmd.clone(),
+            env_vars: BTreeMap::new(),
+            catalog: b.catalog.clone(),
+        }
+    };
+    if let Some(b) = shared.builds.find(build_id) {
+        save(&shared.builds.dir, &b)?;
+    }
+    enqueue(shared, build_id, req);
+    Ok(())
 }
 
 /// A build thread: builds waiting templates one after another until none waits.
@@ -308,28 +536,133 @@ fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
     let builds = &shared.builds;
     builds.update(id, BuildStatus::Building, None);
     let progress = builds.find(id).map(|b| b.progress).unwrap_or_default();
-    let result = build(shared, id, &req, &progress);
+    let result = build(shared, id, &req, &progress).and_then(|()| finish_catalog(shared, id, &req));
+    let ok = result.is_ok();
     match result {
         Ok(()) => {
-            builds.update(id, BuildStatus::Ready, None);
+            progress
+                .log
+                .push(LogLevel::Info, "build finished: ready".into(), None);
             log::info!(
                 "templateId={id} name={} op=template_build result=ready",
                 req.name
             );
         }
-        Err(e) => {
-            shared.snapshots.release_name(&req.name);
+        Err(f) => {
+            if req.catalog.is_none() {
+                shared.snapshots.release_name(&req.name);
+            }
             let _ = std::fs::remove_dir_all(shared.snapshots.dir(id));
-            log::warn!("templateId={id} op=template_build result=error reason=\"{e}\"");
-            builds.update(id, BuildStatus::Error, Some(e.to_string()));
+            if let Some(c) = &req.catalog {
+                // A template never built leaves nothing behind; one built before keeps its tags.
+                if shared
+                    .catalog
+                    .find(&c.template_id)
+                    .is_some_and(|t| t.tags.is_empty())
+                {
+                    shared.catalog.drop_build(&c.template_id, id);
+                }
+            }
+            log::warn!(
+                "templateId={id} op=template_build result=error reason=\"{}\"",
+                f.error
+            );
+            progress
+                .log
+                .push(LogLevel::Error, f.error.to_string(), f.step.as_deref());
         }
     }
-    shared.operations.record(
-        "template_build",
-        builds
-            .find(id)
-            .is_some_and(|b| b.status == BuildStatus::Ready),
-    );
+    let entries = progress.log.entries();
+    let reason = last_error(&entries);
+    builds.change(id, |b| {
+        b.logs = entries;
+        if !ok {
+            b.status = BuildStatus::Error;
+            b.reason = Some(reason);
+        } else {
+            b.status = BuildStatus::Ready;
+            b.reason = None;
+        }
+    });
+    shared.operations.record("template_build", ok);
+}
+
+/// The reason of a failed build: its last error entry.
+fn last_error(entries: &[LogEntry]) -> String {
+    entries
+        .iter()
+        .rev()
+        .find(|e| e.level == LogLevel::Error)
+        .map(|e| e.message.clone())
+        .unwrap_or_else(|| "the build failed".into())
+}
+
+/// A failed build: the error and, for E2B builds, the step it failed in.
+struct BuildFailure {
+    error: OrchError,
+    step: Option<String>,
+}
+
+impl From<OrchError> for BuildFailure {
+    fn from(error: OrchError) -> BuildFailure {
+        BuildFailure { error, step: None }
+    }
+}
+
+impl From<StepFailure> for BuildFailure {
+    fn from(f: StepFailure) -> BuildFailure {
+        BuildFailure {
+            error: OrchError::BadRequest(f.message),
+            step: Some(f.step),
+        }
+    }
+}
+
+/// An E2B build that became ready: its tags point at it, builds no tag points at any
+/// more go (snapshot, standbys, record).
+fn finish_catalog(
+    shared: &Arc<Shared>,
+    id: &str,
+    req: &TemplateRequest,
+) -> Result<(), BuildFailure> {
+    let Some(c) = &req.catalog else {
+        return Ok(());
+    };
+    let finished = |b: &str| {
+        shared
+            .builds
+            .find(b)
+            .is_none_or(|b| matches!(b.status, BuildStatus::Ready | BuildStatus::Error))
+    };
+    let orphans = match shared
+        .catalog
+        .set_ready(&c.template_id, id, &c.tags, &finished)
+    {
+        Ok(o) => o,
+        Err(e) => {
+            shared.launcher.standby.forget(id, &*shared.launcher.net);
+            shared.snapshots.delete(id);
+            return Err(BuildFailure {
+                error: e,
+                step: Some(super::build_steps::FINALIZE_STEP.into()),
+            });
+        }
+    };
+    for old in orphans {
+        remove_build(shared, &old);
+    }
+    Ok(())
+}
+
+/// Deletes a finished build: its standbys, snapshot and record. Sandboxes made from it
+/// keep their own links to its layers.
+pub(crate) fn remove_build(shared: &Arc<Shared>, build_id: &str) {
+    shared
+        .launcher
+        .standby
+        .forget(build_id, &*shared.launcher.net);
+    shared.snapshots.delete(build_id);
+    shared.builds.remove(build_id);
 }
 
 /// The build itself. The build sandbox is internal: its id is never shown by the API.
@@ -338,12 +671,20 @@ fn build(
     template_id: &str,
     req: &TemplateRequest,
     progress: &BuildProgress,
-) -> Result<(), OrchError> {
-    let image = shared.images.prepare_rootfs_with(
-        &req.image,
-        req.resources.disk_size_mb,
-        &progress.image,
-    )?;
+) -> Result<(), BuildFailure> {
+    let base = |error: OrchError| BuildFailure {
+        error,
+        step: req.catalog.as_ref().map(|_| "base".to_string()),
+    };
+    if req.catalog.is_some() {
+        progress
+            .log
+            .push(LogLevel::Info, format!("FROM {}", req.image), Some("base"));
+    }
+    let image = shared
+        .images
+        .prepare_rootfs_with(&req.image, req.resources.disk_size_mb, &progress.image)
+        .map_err(|e| base(e.into()))?;
     progress.set(BuildPhase::Booting);
     let sandbox_id = crate::util::new_id();
     let run_dir = RunDir::create(
@@ -393,6 +734,92 @@ fn build(
     )?;
     let (ops, agent) = (&booted.runtime.ops, &booted.runtime.agent);
     let stop_build = || booted.runtime.delete(StopReason::TemplateBuild);
+    if let Some(spec) = req.catalog.as_ref().and_then(|c| c.spec.as_ref()) {
+        progress.set(BuildPhase::StartCmd);
+        let addr = std::net::SocketAddr::new(booted.host_ip.into(), shared.config.agent.port);
+        let deadline =
+            Instant::now() + Duration::from_secs(shared.config.templates.build_timeout_secs);
+        let mut runner = StepRunner {
+            addr,
+            image_env: image.env.iter().cloned().collect(),
+            state: StepState::default(),
+            log: &progress.log,
+            deadline,
+            cancelled: progress.cancelled.clone(),
+        };
+        let copier = super::build_files::UploadedFiles {
+            store: &shared.uploads,
+            agent,
+        };
+        let ran = runner
+            .run_steps(&spec.steps, &copier, |_, _| Ok(()))
+            .and_then(|()| {
+                runner.start_and_wait_ready(spec.start_cmd.as_deref(), spec.ready_cmd.as_deref())
+            });
+        if let Err(f) = ran {
+            stop_build();
+            return Err(f.into());
+        }
+        progress.log.push(
+            LogLevel::Info,
+            "capturing the template".into(),
+            Some(super::build_steps::FINALIZE_STEP),
+        );
+    } else {
+        legacy_start_cmd(shared, req, &image, agent, progress).inspect_err(|_| stop_build())?;
+    }
+    progress.set(BuildPhase::Capturing);
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    ops.send(Op::Snapshot {
+        dir: shared.snapshots.dir(template_id),
+        run_on: false,
+        reply: tx,
+    })
+    .map_err(|_| OrchError::Internal("the build VM is gone".into()))?;
+    let captured = rx.recv();
+    stop_build();
+    let capture = match captured {
+        Ok(Ok(c)) => c,
+        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e.into()),
+        _ => return Err(OrchError::Internal("the build VM is gone".into()).into()),
+    };
+    if progress.cancelled.load(Ordering::SeqCst) {
+        return Err(OrchError::Conflict(
+            "the build was cancelled (its template was deleted)".into(),
+        )
+        .into());
+    }
+    let info = SandboxInfo::new(
+        sandbox_id,
+        settings,
+        std::net::Ipv4Addr::UNSPECIFIED,
+        PathBuf::new(),
+    );
+    let name = req.catalog.is_none().then(|| req.name.clone());
+    let mut record = SnapshotRecord::new(template_id.to_string(), name, &info, capture);
+    record.template = Some(TemplateSource {
+        image: req.image.clone(),
+        start_cmd: req.start_cmd.clone(),
+    });
+    let capture = record.capture.clone();
+    shared.snapshots.insert(record)?;
+    // Built to be used: its standbys start now.
+    shared
+        .launcher
+        .standby
+        .want(template_id, &capture, req.resources);
+    Ok(())
+}
+
+/// `POST /templates`' start command: run to its end as root in `/`, with the template's
+/// `envVars` (api.md §4.15).
+fn legacy_start_cmd(
+    shared: &Arc<Shared>,
+    req: &TemplateRequest,
+    image: &crate::image::PreparedImage,
+    agent: &crate::agent::AgentClient,
+    progress: &BuildProgress,
+) -> Result<(), OrchError> {
     let mut env: BTreeMap<String, String> = image.env.iter().cloned().collect();
     env.extend(req.env_vars.clone());
     if let Some(cmd) = &req.start_cmd {
@@ -423,47 +850,61 @@ fn build(
             Err(e) => Some(format!("startCmd could not run: {e}")),
         };
         if let Some(reason) = failure {
-            stop_build();
             return Err(OrchError::BadRequest(reason));
         }
     }
-    progress.set(BuildPhase::Capturing);
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    ops.send(Op::Snapshot {
-        dir: shared.snapshots.dir(template_id),
-        run_on: false,
-        reply: tx,
-    })
-    .map_err(|_| OrchError::Internal("the build VM is gone".into()))?;
-    let captured = rx.recv();
-    stop_build();
-    let capture = match captured {
-        Ok(Ok(c)) => c,
-        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e),
-        _ => return Err(OrchError::Internal("the build VM is gone".into())),
+    Ok(())
+}
+
+/// `DELETE /templates/{id}` of an E2B template: a build under way is cancelled (it stops
+/// at its next step or wait, and cleans up after itself), every build of it goes.
+pub(crate) fn delete_catalog_template(
+    shared: &Arc<Shared>,
+    id_or_name: &str,
+) -> Result<(), OrchError> {
+    let Some(t) = shared.catalog.remove(id_or_name) else {
+        return Err(OrchError::NotFound(format!(
+            "template {id_or_name} not found"
+        )));
     };
-    let info = SandboxInfo::new(
-        sandbox_id,
-        settings,
-        std::net::Ipv4Addr::UNSPECIFIED,
-        PathBuf::new(),
-    );
-    let mut record = SnapshotRecord::new(
-        template_id.to_string(),
-        Some(req.name.clone()),
-        &info,
-        capture,
-    );
-    record.template = Some(TemplateSource {
-        image: req.image.clone(),
-        start_cmd: req.start_cmd.clone(),
-    });
-    let capture = record.capture.clone();
-    shared.snapshots.insert(record)?;
-    // Built to be used: its standbys start now.
-    shared
-        .launcher
-        .standby
-        .want(template_id, &capture, req.resources);
+    for build_id in &t.builds {
+        match shared.builds.find(build_id).filter(|b| &b.id == build_id) {
+            Some(b) if matches!(b.status, BuildStatus::Waiting | BuildStatus::Building) => {
+                b.progress.cancelled.store(true, Ordering::SeqCst);
+                let queued = {
+                    let mut q = shared.builds.queue.lock();
+                    let before = q.waiting.len();
+                    q.waiting.retain(|(id, _)| id != build_id);
+                    before != q.waiting.len()
+                };
+                if queued || b.catalog.as_ref().is_some_and(|c| c.spec.is_none()) {
+                    shared.builds.update(
+                        build_id,
+                        BuildStatus::Error,
+                        Some("cancelled: the template was deleted".into()),
+                    );
+                }
+            }
+            _ => remove_build(shared, build_id),
+        }
+    }
+    Ok(())
+}
+
+/// `DELETE /templates/tags`.
+pub(crate) fn remove_tags(
+    shared: &Arc<Shared>,
+    name: &str,
+    tags: &[String],
+) -> Result<(), OrchError> {
+    let finished = |b: &str| {
+        shared
+            .builds
+            .find(b)
+            .is_none_or(|b| matches!(b.status, BuildStatus::Ready | BuildStatus::Error))
+    };
+    for old in shared.catalog.remove_tags(name, tags, &finished)? {
+        remove_build(shared, &old);
+    }
     Ok(())
 }
