@@ -21,6 +21,7 @@ TEST_TOOLS=/opt/agentenv-tests
 E2B_PY_VERSION=2.63.0
 SCHEMATHESIS_VERSION=4.32.5
 E2B_JS_VERSION=2.51.0
+PLAYWRIGHT_CORE_VERSION=1.65.1
 
 step() { printf '==> %s\n' "$*"; }
 die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
@@ -127,6 +128,17 @@ mkdir -p "$TEST_TOOLS"
 mkdir -p "$TEST_TOOLS/node"
 (cd "$TEST_TOOLS/node" && npm install --silent --no-audit --no-fund --no-save "e2b@$E2B_JS_VERSION") \
   || die "cannot install e2b@$E2B_JS_VERSION from npm"
+
+step "browser tests: Debian's chromium, playwright-core $PLAYWRIGHT_CORE_VERSION from npm"
+# tests/e2e_console.rs drives the web console in headless Chromium; playwright-core has no
+# browser of its own (never `npx playwright install`): it launches /usr/bin/chromium.
+if ! command -v chromium >/dev/null; then
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core || die "cannot install chromium"
+fi
+mkdir -p "$TEST_TOOLS/playwright"
+(cd "$TEST_TOOLS/playwright" && npm install --silent --no-audit --no-fund --no-save \
+  "playwright-core@$PLAYWRIGHT_CORE_VERSION") || die "cannot install playwright-core@$PLAYWRIGHT_CORE_VERSION from npm"
 
 step "done: assets in $ASSETS"
 ls -la "$ASSETS"

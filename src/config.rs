@@ -341,6 +341,9 @@ pub struct RegistryCredential {
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
     pub require_api_key: bool,
+    /// How often the last hour's history of these numbers is sampled
+    /// (`GET /metrics/history`, the console's host page).
+    pub history_interval_secs: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -526,6 +529,12 @@ impl Config {
         }
         if let Err(m) = check_state_dir(&self.server.state_dir) {
             return invalid("server.state_dir", m);
+        }
+        if !(1..=3600).contains(&self.metrics.history_interval_secs) {
+            return invalid(
+                "metrics.history_interval_secs",
+                "must be in 1..=3600".into(),
+            );
         }
         let sb = &self.sandbox;
         for (key, value, range) in [

@@ -87,11 +87,11 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
     let api = ApiServer::start(
         &server_config,
-        Context {
-            orchestrator: orchestrator.clone(),
+        Context::new(
+            orchestrator.clone(),
             api_key,
-            test_faults: std::env::var("AENV_TEST_FAULTS").is_ok_and(|v| v == "1"),
-        },
+            std::env::var("AENV_TEST_FAULTS").is_ok_and(|v| v == "1"),
+        ),
     )
     .map_err(StartupError)?;
     log::info!("op=startup result=ready listen={}", api.local_addr());

@@ -223,7 +223,7 @@ impl EnvdProxy {
 
     /// `POST /init` with the sandbox's env, once per VM instance. A guest that has no
     /// `/init` (404) is not asked again; one that failed is asked on the next request.
-    fn init_once(&self, sandbox: &str, target: &EnvdTarget, addr: SocketAddr) {
+    pub(super) fn init_once(&self, sandbox: &str, target: &EnvdTarget, addr: SocketAddr) {
         if self.initialized.lock().get(sandbox) == Some(&target.instance) {
             return;
         }

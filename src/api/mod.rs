@@ -8,9 +8,11 @@
 //! 503) are answered by a few rejecter threads. A handler that panics answers 500.
 
 mod body;
+mod console;
 mod e2b_templates;
 mod envd_proxy;
 mod error;
+mod history;
 mod models;
 mod query;
 mod routes;
@@ -46,6 +48,14 @@ pub enum Reply {
         reader: Box<dyn Read + Send>,
         length: u64,
     },
+    /// An embedded file of the console, with its headers.
+    Asset {
+        content_type: &'static str,
+        body: &'static [u8],
+        headers: Vec<(String, String)>,
+    },
+    /// 308 to another path of this server.
+    Redirect(&'static str),
 }
 
 impl Reply {
@@ -65,6 +75,20 @@ pub struct Context {
     /// Test-only faults (`AENV_TEST_FAULTS=1`, docs/configuration.md): a request with
     /// `X-Aenv-Test-Fault: panic` makes its handler panic. Off in production.
     pub test_faults: bool,
+    /// The last hour of `/metrics` numbers (`GET /metrics/history`).
+    pub history: Arc<history::MetricsHistory>,
+}
+
+impl Context {
+    pub fn new(orchestrator: Arc<Orchestrator>, api_key: String, test_faults: bool) -> Context {
+        let interval = orchestrator.config().metrics.history_interval_secs;
+        Context {
+            orchestrator,
+            api_key,
+            test_faults,
+            history: history::MetricsHistory::new(Duration::from_secs(interval)),
+        }
+    }
 }
 
 /// The lanes requests are served on (docs/architecture.md, "API lanes"): each has its
@@ -156,6 +180,7 @@ impl Drop for InflightPermit {
 pub struct ApiServer {
     server: Arc<tiny_http::Server>,
     threads: Vec<JoinHandle<()>>,
+    _sampler: history::Sampler,
 }
 
 /// Threads that answer requests refused before a lane (401, 429, 503).
@@ -190,6 +215,12 @@ impl ApiServer {
             ctx.orchestrator.clone(),
             ctx.api_key.clone(),
         ));
+        let terminals = Arc::new(console::terminal::Terminals::new(
+            ctx.orchestrator.clone(),
+            envd.clone(),
+            ctx.api_key.clone(),
+        ));
+        let sampler = ctx.history.start(Arc::downgrade(&ctx.orchestrator));
         let ctx = Arc::new(ctx);
         let sizes = LaneSizes {
             quick_threads: cfg.quick_threads,
@@ -204,10 +235,13 @@ impl ApiServer {
                 let rx = rx.clone();
                 let ctx = ctx.clone();
                 let envd = envd.clone();
+                let terminals = terminals.clone();
                 threads.push(spawn(format!("{name}-{i}"), move || {
                     for job in rx {
-                        // The envd proxy takes its requests onto stream threads.
-                        if let Some(request) = envd.divert(job.request) {
+                        // The envd proxy and the console's terminals take their
+                        // requests onto threads of their own.
+                        let request = envd.divert(job.request).and_then(|r| terminals.divert(r));
+                        if let Some(request) = request {
                             serve_one(&ctx, request);
                         }
                     }
@@ -243,7 +277,11 @@ impl ApiServer {
                 dispatcher.dispatch(request);
             }
         }));
-        Ok(ApiServer { server, threads })
+        Ok(ApiServer {
+            server,
+            threads,
+            _sampler: sampler,
+        })
     }
 
     pub fn local_addr(&self) -> String {
@@ -375,25 +413,32 @@ fn serve_one(ctx: &Context, mut request: Request) {
     }
 }
 
-/// Requests other than `GET /health`, `GET /openapi.json` (and `GET /metrics` unless
-/// configured otherwise) need the API key.
+/// Requests other than `GET /health`, `GET /openapi.json`, the console's files and
+/// terminal (which checks the key itself), and `GET /metrics` unless configured
+/// otherwise, need the API key.
 fn check_auth(ctx: &Context, request: &Request) -> Result<(), ApiError> {
     let path = request.url().split('?').next().unwrap_or("");
-    let is_get = *request.method() == tiny_http::Method::Get;
-    let exempt = is_get
-        && (path == "/health"
-            || path == "/openapi.json"
-            || (path == "/metrics" && !ctx.orchestrator.config().metrics.require_api_key));
-    // A build's upload link carries its own token instead (checked by its handler).
-    let upload = *request.method() == tiny_http::Method::Put
-        && path.starts_with("/templates/")
-        && path.contains("/files/");
-    let exempt = exempt || upload;
-    if exempt {
+    let metrics_open = !ctx.orchestrator.config().metrics.require_api_key;
+    if exempt(request.method(), path, metrics_open) {
         Ok(())
     } else {
         authenticate(request, &ctx.api_key)
     }
+}
+
+/// Whether `method path` is served without the API key (api.md §1.2, docs/console.md).
+fn exempt(method: &tiny_http::Method, path: &str, metrics_open: bool) -> bool {
+    let is_get = *method == tiny_http::Method::Get;
+    // A build's upload link carries its own token instead (checked by its handler).
+    let upload = *method == tiny_http::Method::Put
+        && path.starts_with("/templates/")
+        && path.contains("/files/");
+    upload
+        || console::is_public(method, path)
+        || is_get
+            && (path == "/health"
+                || path == "/openapi.json"
+                || (path == "/metrics" && metrics_open))
 }
 
 fn handle(ctx: &Context, request: &mut Request) -> Result<Reply, ApiError> {
@@ -449,6 +494,20 @@ fn respond(request: Request, reply: Reply) -> std::io::Result<()> {
             usize::try_from(length).ok(),
             None,
         )),
+        Reply::Asset {
+            content_type,
+            body,
+            headers,
+        } => {
+            let mut r = Response::from_data(body).with_header(header("Content-Type", content_type));
+            for (k, v) in headers {
+                r.add_header(header(&k, &v));
+            }
+            request.respond(r)
+        }
+        Reply::Redirect(to) => {
+            request.respond(Response::empty(StatusCode(308)).with_header(header("Location", to)))
+        }
     }
 }
 
@@ -493,6 +552,38 @@ mod tests {
         assert_eq!(lane(Method::Put, &files), Lane::Io);
         let metrics = format!("/sandboxes/{id}/metrics");
         assert_eq!(lane(Method::Get, &metrics), Lane::Io);
+    }
+
+    /// Every route needs the key except health, the document, metrics (when open) and
+    /// the console's files; the terminal checks the key itself (`console::terminal`).
+    #[test]
+    fn auth_of_every_route() {
+        let id = "01900000-0000-7000-8000-000000000000";
+        for route in routes::ROUTES {
+            let path = route
+                .path
+                .replace("{sandboxID}", id)
+                .replace("{idOrName}", "t")
+                .replace("{asset}", "app.js");
+            let open = exempt(&route.method, &path, true);
+            let expected = matches!(
+                route.path,
+                "/health"
+                    | "/openapi.json"
+                    | "/metrics"
+                    | "/console"
+                    | "/console/"
+                    | "/console/{asset}"
+                    | "/console/terminal/{sandboxID}"
+                    | "/templates/{templateID}/files/{hash}"
+            ) && !(route.path == "/templates/{templateID}/files/{hash}"
+                && route.method != Method::Put);
+            assert_eq!(open, expected, "{} {}", route.method, route.path);
+        }
+        assert!(!exempt(&Method::Get, "/metrics", false));
+        assert!(!exempt(&Method::Get, "/metrics/history", true));
+        assert!(!exempt(&Method::Delete, "/console/app.js", true));
+        assert!(!exempt(&Method::Get, "/console/terminal/nope", true));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
-use super::{models, query, ApiError, Context, Lane, Reply};
+use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::config::OnTimeout;
 use crate::orchestrator::{
     ColdStart, CommandRequest, FromSnapshot, Resources, SandboxInfo, SandboxRequest,
@@ -218,6 +218,22 @@ pub static ROUTES: &[Route] = &[
     r(Delete, "/templates/{idOrName}", Control, |ctx, _, t| {
         delete_template(ctx, t.var)
     }),
+    r(Get, "/metrics/history", Quick, |ctx, _, t| {
+        metrics_history(ctx, t.query)
+    }),
+    // The web console (docs/console.md): its files need no key; the terminal's
+    // WebSocket is taken before routing (`console::terminal`), so a plain GET lands here.
+    r(Get, "/console", Quick, |_, _, _| console::redirect()),
+    r(Get, "/console/", Quick, |_, _, _| console::serve("")),
+    r(Get, "/console/{asset}", Quick, |_, _, t| {
+        console::serve(t.var)
+    }),
+    r(Get, "/console/terminal/{sandboxID}", Quick, |_, _, _| {
+        Err(ApiError::new(
+            426,
+            "the terminal is a WebSocket: send Upgrade: websocket",
+        ))
+    }),
 ];
 
 /// The route's path variables when `path` matches `pattern`, `""` for those it lacks.
@@ -307,6 +323,20 @@ fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
         content_type: "text/plain; version=0.0.4",
         body: ctx.orchestrator.render_metrics(),
     })
+}
+
+/// `GET /metrics/history?since=`: the samples of `/metrics` taken in the last hour,
+/// after `since` (unix seconds) when given (api.md §4.24).
+fn metrics_history(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let since = match query::get(&pairs, "since") {
+        None => 0,
+        Some(v) => v
+            .parse::<u64>()
+            .map_err(|_| ApiError::bad_request("since must be unix seconds"))?,
+    };
+    let node = ctx.orchestrator.node_name();
+    Ok(Reply::json(200, ctx.history.to_json(since, &node)))
 }
 
 /// The OpenAPI 3.1 document of this API (docs/openapi.json), built into the binary.

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use transport::Transport;
 
 /// The four hooks, with their wire names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Hook {
     StartFresh = 0,
     StartResume = 1,
@@ -386,12 +386,16 @@ impl HookClient {
         self.inner.lanes.submit(
             &format!("patch:{}", crate::util::new_id()),
             Box::new(move || {
-                let _ = tx.send(Reply::Began(Instant::now()));
+                let began = Instant::now();
+                let _ = tx.send(Reply::Began(began));
                 let r = inner
                     .transport()
                     .send(Hook::PatchParams, &body, 1, None)
                     .and_then(|b| rules::patch_params(&b));
-                inner.metrics.request(Hook::PatchParams, r.is_ok());
+                let outcome = r.as_ref().map(drop);
+                inner
+                    .metrics
+                    .request(Hook::PatchParams, outcome, began.elapsed());
                 let r = r.map_err(|cause| HookError::Failed {
                     hook: Hook::PatchParams,
                     cause,
@@ -608,7 +612,8 @@ impl Inner {
             return;
         }
         self.open.lock().insert(entry.sandbox_instance_id.clone());
-        let _ = reply.send(Reply::Began(Instant::now()));
+        let began = Instant::now();
+        let _ = reply.send(Reply::Began(began));
         let r = self
             .transport()
             .send(hook, &body, 1, None)
@@ -616,7 +621,8 @@ impl Inner {
                 Hook::StartFresh => rules::start_fresh(&b, base_cmdline_len),
                 _ => Ok(None),
             });
-        self.metrics.request(hook, r.is_ok());
+        self.metrics
+            .request(hook, r.as_ref().map(drop), began.elapsed());
         let r = r.map_err(|cause| HookError::Failed { hook, cause });
         if let Err(e) = &r {
             warn!(
@@ -637,10 +643,12 @@ impl Inner {
             "sandboxInstanceId": stop.instance_id,
         }))
         .expect("JSON serializes");
+        let began = Instant::now();
         let r = self
             .transport()
             .send(Hook::Stop, &body, n, Some(stop.reason));
-        self.metrics.request(Hook::Stop, r.is_ok());
+        self.metrics
+            .request(Hook::Stop, r.as_ref().map(drop), began.elapsed());
         if n > 1 {
             self.metrics.stop_retry();
         }

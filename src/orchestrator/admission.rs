@@ -81,10 +81,27 @@ impl Admission {
     }
 
     /// (memory MiB, vCPUs) in use now.
-    #[cfg(test)]
     pub fn in_use(&self) -> (u64, u64) {
         let used = self.used.lock();
         (used.memory_mb, used.vcpus)
+    }
+
+    /// `agentenv_admission_memory_mb` and `agentenv_admission_vcpus`: what running VMs
+    /// reserved and the bounds (api.md §4.19).
+    pub fn render_metrics(&self, out: &mut String) {
+        let (memory, vcpus) = self.in_use();
+        super::metrics::render_state_gauge(
+            out,
+            "agentenv_admission_memory_mb",
+            "Memory (MiB) reserved by running VMs, and the admission limit.",
+            &[("reserved", memory), ("limit", self.limits.memory_mb)],
+        );
+        super::metrics::render_state_gauge(
+            out,
+            "agentenv_admission_vcpus",
+            "vCPUs reserved by running VMs, and the admission limit.",
+            &[("reserved", vcpus), ("limit", self.limits.vcpus)],
+        );
     }
 }
 

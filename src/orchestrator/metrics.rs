@@ -29,7 +29,12 @@ impl OperationCounters {
 }
 
 /// Writes one gauge family with a `state` label.
-pub fn render_state_gauge(out: &mut String, name: &str, help: &str, values: &[(&str, usize)]) {
+pub fn render_state_gauge<N: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    values: &[(&str, N)],
+) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} gauge");
     for (state, v) in values {

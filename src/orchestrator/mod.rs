@@ -746,7 +746,13 @@ impl Orchestrator {
             "Network slots in use and waiting in the pool.",
             &[("in_use", slots.in_use), ("pooled", slots.pooled)],
         );
+        self.shared.launcher.admission.render_metrics(&mut out);
         out
+    }
+
+    /// This host's name, as the console shows it next to each sandbox.
+    pub fn node_name(&self) -> String {
+        crate::sys::fs::host_name()
     }
 
     /// Graceful shutdown (custom-extension.md §9.1): refuse new work, pause every running sandbox (stop

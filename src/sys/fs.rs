@@ -107,6 +107,15 @@ pub fn online_cpus() -> u32 {
         .unwrap_or(1)
 }
 
+/// The host's name (`/proc/sys/kernel/hostname`), `localhost` when unreadable.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
 /// Physical memory in MiB.
 pub fn total_memory_mb() -> u64 {
     // SAFETY: sysconf with valid names has no memory effects.

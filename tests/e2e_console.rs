@@ -1,0 +1,109 @@
+//! The web console (docs/console.md) against the real server binary: its embedded files,
+//! their headers and the key checks of every console route (no VM), and the whole console
+//! in headless Chromium driven by Playwright (tests/console/console.mjs) with real VMs.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+const ID: &str = "01900000-0000-7000-8000-000000000000";
+
+fn get(s: &Server, path: &str) -> ureq::Response {
+    let agent = ureq::AgentBuilder::new().redirects(0).build();
+    match agent
+        .get(&format!("{}{path}", s.base))
+        .timeout(Duration::from_secs(10))
+        .call()
+    {
+        Ok(r) | Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("GET {path}: {e}"),
+    }
+}
+
+/// A WebSocket handshake for the terminal, with `extra` headers; the status it gets.
+fn upgrade(s: &Server, sandbox: &str, extra: &str) -> (u16, String) {
+    let host = s.base.trim_start_matches("http://");
+    s.raw(&format!(
+        "GET /console/terminal/{sandbox}?cols=80&rows=24 HTTP/1.1\r\nHost: {host}\r\n\
+         Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{extra}\r\n"
+    ))
+}
+
+#[test]
+fn console_files_and_auth_without_vms() {
+    let s = Server::start("");
+    // The page and its files need no key, carry the CSP and are what the binary embeds.
+    let r = get(&s, "/console");
+    assert_eq!(r.status(), 308);
+    assert_eq!(r.header("Location"), Some("/console/"));
+    let r = get(&s, "/console/");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.header("Content-Type"), Some("text/html; charset=utf-8"));
+    let csp = r.header("Content-Security-Policy").unwrap().to_string();
+    assert!(
+        csp.contains("script-src 'self'") && !csp.contains("unsafe"),
+        "{csp}"
+    );
+    assert_eq!(r.header("X-Frame-Options"), Some("DENY"));
+    assert_eq!(r.header("X-Content-Type-Options"), Some("nosniff"));
+    let page = r.into_string().unwrap();
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/src/api/console/assets/index.html"
+    );
+    assert_eq!(page, std::fs::read_to_string(file).unwrap());
+    let js = get(&s, "/console/app.js");
+    assert_eq!(js.status(), 200);
+    assert_eq!(
+        js.header("Content-Type"),
+        Some("text/javascript; charset=utf-8")
+    );
+    assert_eq!(get(&s, "/console/nope.js").status(), 404);
+    assert_eq!(get(&s, "/console/a/b").status(), 401, "not a console file");
+    // The data behind the console needs the key like the rest of the API.
+    assert_eq!(get(&s, "/metrics/history").status(), 401);
+    let (code, history) = s.call("GET", "/metrics/history", None);
+    assert_eq!(code, 200, "{history}");
+    assert!(history["node"].as_str().is_some_and(|n| !n.is_empty()));
+    let first = &history["samples"][0]["values"];
+    assert_eq!(first["agentenv_sandboxes{state=\"running\"}"], 0.0);
+    assert!(
+        first["agentenv_admission_vcpus{state=\"limit\"}"]
+            .as_f64()
+            .unwrap()
+            >= 1.0
+    );
+    assert_eq!(s.call("GET", "/metrics/history?since=x", None).0, 400);
+    // A plain GET of the terminal is told to upgrade.
+    assert_eq!(
+        s.call("GET", &format!("/console/terminal/{ID}"), None).0,
+        426
+    );
+    // The terminal's WebSocket: no key, a wrong key, the key without the protocol, or
+    // another site's Origin are refused before anything is looked up.
+    let key = format!("Sec-WebSocket-Protocol: agentenv.terminal, agentenv.key.{API_KEY}\r\n");
+    for (extra, want) in [
+        (String::new(), 401),
+        (
+            "Sec-WebSocket-Protocol: agentenv.terminal, agentenv.key.wrong\r\n".to_string(),
+            401,
+        ),
+        (
+            format!("Sec-WebSocket-Protocol: agentenv.key.{API_KEY}\r\n"),
+            401,
+        ),
+        (format!("X-API-Key: {API_KEY}\r\n"), 401),
+        (format!("{key}Origin: http://evil.example\r\n"), 403),
+        (key.clone(), 404),
+    ] {
+        let (code, answer) = upgrade(&s, ID, &extra);
+        assert_eq!(code, want, "{extra}: {answer}");
+        assert!(!answer.contains("101 Switching"), "{answer}");
+    }
+    let (code, _) = upgrade(&s, "not-a-uuid", &key);
+    assert_eq!(code, 401, "not a terminal path: the API's key check");
+    // The server still answers after the refusals.
+    assert_eq!(get(&s, "/health").status(), 204);
+}
