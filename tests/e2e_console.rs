@@ -107,3 +107,104 @@ fn console_files_and_auth_without_vms() {
     // The server still answers after the refusals.
     assert_eq!(get(&s, "/health").status(), 204);
 }
+
+/// Where the browser test keeps its screenshots (a test artifact).
+fn screenshots_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots")
+}
+
+/// The whole console in headless Chromium (tests/console/console.cjs): log in, watch a
+/// template build's log, see a sandbox made through the API appear live (its XSS metadata
+/// shown as text), filter, plots with points, the terminal (`echo hi`, resize, a flood
+/// while /health answers, closing the tab kills the PTY), pause and resume from the page,
+/// the host page, phone width, delete; no console errors. One server, one sandbox.
+#[test]
+fn console_in_chromium() {
+    let playwright = "/opt/agentenv-tests/playwright/node_modules/playwright-core";
+    assert!(
+        std::path::Path::new("/usr/bin/chromium").exists()
+            && std::path::Path::new(playwright).exists(),
+        "chromium or playwright-core missing: run scripts/setup.sh"
+    );
+    let ext = extension::Extension::start();
+    ext.set(
+        "start-resume",
+        extension::Behavior::delay(30, extension::Behavior::Default),
+    );
+    let s = Server::start(&format!(
+        "[metrics]\nhistory_interval_secs = 1\n[custom_extension]\nurl = \"{}\"\n",
+        ext.url()
+    ));
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            serde_json::json!({"name": "console-tpl", "image": base_image(), "memoryMB": 256,
+            "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "echo built-for-the-console"}),
+        ),
+    );
+    assert_eq!(code, 202, "{t}");
+    let template = t["templateID"].as_str().unwrap().to_string();
+    let shots = screenshots_dir();
+    let _ = std::fs::remove_dir_all(&shots);
+    let profile = scratch_dir().join("chromium-profile");
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new("node")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/console/console.cjs"
+        ))
+        .env("AENV_URL", &s.base)
+        .env("AENV_KEY", API_KEY)
+        .env("TEMPLATE_ID", &template)
+        .env("SHOTS", &shots)
+        .env("PLAYWRIGHT_CORE", playwright)
+        .env("USER_DATA_DIR", &profile)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("node");
+    let mut out = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
+    let status = wait_exit(
+        &mut child,
+        std::time::Instant::now() + Duration::from_secs(30),
+    );
+    let _ = std::fs::remove_dir_all(&profile);
+    eprintln!("{out}browser part: {:?}", started.elapsed());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the browser test failed:\n{out}\n{}",
+        s.log()
+    );
+    let steps: Vec<serde_json::Value> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let done = steps.iter().find(|v| v["step"] == "done").expect("done");
+    let id = done["sandbox"].as_str().unwrap();
+    // What the page did happened on the server: the sandbox is gone, its hooks were sent.
+    assert_eq!(s.call("GET", &format!("/sandboxes/{id}"), None).0, 404);
+    let resumes = ext.requests_for("start-resume");
+    assert!(
+        resumes.len() >= 2,
+        "create and the page's resume: {}",
+        resumes.len()
+    );
+    assert!(!ext.requests_for("stop").is_empty());
+    for page in [
+        "login",
+        "templates",
+        "template",
+        "sandboxes",
+        "sandbox",
+        "terminal",
+        "host",
+    ] {
+        let f = shots.join(format!("{page}-1280.png"));
+        assert!(std::fs::metadata(&f).is_ok_and(|m| m.len() > 1000), "{f:?}");
+    }
+    for page in ["sandboxes", "sandbox", "templates", "host", "terminal"] {
+        assert!(shots.join(format!("{page}-390.png")).exists(), "{page}-390");
+    }
+}
