@@ -58,6 +58,16 @@ async function fitsWidth(page, name) {
   if (sw > w + 1) fail(`${name}: the page is ${sw}px wide in a ${w}px window`);
 }
 
+/** Logs a fresh tab in (sessionStorage is per tab), then opens hash. */
+async function loginTab(page, hash) {
+  await page.goto(`${BASE}/console/`);
+  await page.waitForSelector('#login-form');
+  await page.fill('#api-key', KEY);
+  await page.keyboard.press('Enter');
+  await page.waitForSelector('#sandboxes');
+  await page.goto(`${BASE}/console/${hash}`);
+}
+
 async function main() {
   fs.mkdirSync(SHOTS, {recursive: true});
   const context = await chromium.launchPersistentContext(process.env.USER_DATA_DIR, {
@@ -70,10 +80,13 @@ async function main() {
   const errors = [];
   const dialogs = [];
   let allowLoginError = false;
+  let allowGone = false;
   const watch = (page) => {
     page.on('console', (m) => {
       if (m.type() !== 'error') return;
       if (allowLoginError && /401/.test(m.text())) return;
+      // Reads in flight when the page deleted the sandbox answer 404.
+      if (allowGone && /Failed to load resource.*404/.test(m.text())) return;
       errors.push(m.text());
     });
     page.on('pageerror', (e) => errors.push(`pageerror: ${e.message}`));
@@ -188,7 +201,7 @@ async function main() {
   // tab kills the PTY.
   const term = await context.newPage();
   watch(term);
-  await term.goto(`${BASE}/console/#/sandboxes/${id}/terminal`);
+  await loginTab(term, `#/sandboxes/${id}/terminal`);
   await term.waitForFunction(() => document.querySelector('.term-status').textContent.startsWith('Connected'), null, {timeout: 20000});
   const screenText = () => term.$eval('#terminal', (e) => e.textContent);
   const lines = async () => (await term.$$eval('#terminal .line', (l) => l.map((x) => x.textContent.trimEnd())));
@@ -212,7 +225,7 @@ async function main() {
   const [rows, cols] = dims.split(' ').map(Number);
   if (cols >= 120 || cols < 20 || rows < 5) fail(`after the resize stty says ${dims} (${size})`);
   report('terminal-resize', {stty: dims});
-  await term.keyboard.type('yes | head -c 8000000; echo flood-$((6*7))');
+  await term.keyboard.type('yes | head -c 2000000; echo flood-$((6*7))');
   await term.keyboard.press('Enter');
   const health = [];
   const started = Date.now();
@@ -268,7 +281,7 @@ async function main() {
   const phoneTerm = await context.newPage();
   watch(phoneTerm);
   await phoneTerm.setViewportSize({width: 390, height: 844});
-  await phoneTerm.goto(`${BASE}/console/#/sandboxes/${id}/terminal`);
+  await loginTab(phoneTerm, `#/sandboxes/${id}/terminal`);
   await phoneTerm.waitForFunction(() => document.querySelector('.term-status').textContent.startsWith('Connected'), null, {timeout: 20000});
   await fitsWidth(phoneTerm, 'terminal');
   await shot(phoneTerm, 'terminal-390');
@@ -278,6 +291,7 @@ async function main() {
   // Delete from the page.
   await page.goto(`${BASE}/console/#/sandboxes/${id}`);
   await page.click('#action-delete');
+  allowGone = true;
   await page.click('#confirm-ok');
   await page.waitForFunction(() => location.hash === '#/sandboxes');
   await until('the sandbox to be gone', async () => (await api('GET', `/sandboxes/${id}`)).status === 404, 30000);

@@ -22,6 +22,7 @@ export class Screen {
     this.attr = 0;
     this.fg = null; this.bg = null; this.bold = false; this.inverse = false;
     this.reset(cols, rows);
+    this.pending = [];
     this.state = 'ground';
     this.params = '';
     this.appCursor = false;
@@ -136,9 +137,11 @@ export class Screen {
     }
   }
 
+  /** Rows scrolled off the top wait here and are drawn at the next render, at most
+   * SCROLLBACK of them, so a flood of lines costs no DOM work per line. */
   toHistory(row) {
-    this.history.appendChild(this.renderRow(row, -1));
-    while (this.history.childElementCount > SCROLLBACK) this.history.firstElementChild.remove();
+    this.pending.push(row);
+    if (this.pending.length > 2 * SCROLLBACK) this.pending.splice(0, this.pending.length - SCROLLBACK);
   }
 
   escape(ch) {
@@ -288,6 +291,11 @@ export class Screen {
   render() {
     if (!this.dirty) return;
     this.dirty = false;
+    if (this.pending.length) {
+      const rows = this.pending.splice(0).slice(-SCROLLBACK).map((r) => this.renderRow(r, -1));
+      this.history.append(...rows);
+      while (this.history.childElementCount > SCROLLBACK) this.history.firstElementChild.remove();
+    }
     const rows = this.grid.map((r, y) => this.renderRow(r, this.cursorVisible && y === this.y ? this.x : -1));
     this.live.replaceChildren(...rows);
   }
