@@ -82,14 +82,16 @@ function detail(view, id) {
     if (buildLogs === null) {
       buildLogs = (await apiPaths()).some((x) => /^\/templates\/\{[^}]+\}\/builds\/\{[^}]+\}\/status$/.test(x));
     }
-    if (buildLogs && t.buildID) {
+    // Builds of E2B's template protocol have their own id and log; a POST /templates
+    // build (buildID = templateID) reports its phases only.
+    if (buildLogs && t.buildID && t.buildID !== t.templateID) {
       const r = await api('GET', `/templates/${encodeURIComponent(t.templateID)}/builds/${encodeURIComponent(t.buildID)}/status?logsOffset=${logsOffset}`);
       const entries = r.data.logEntries || (r.data.logs || []).map((m) => ({message: m}));
       for (const e of entries) line(e.timestamp ? `${e.timestamp} ${e.message}` : e.message);
       logsOffset += entries.length;
     }
     const now = `${p.phase || t.buildStatus}|${t.buildStatus}`;
-    if (!buildLogs && now !== last) {
+    if (!(buildLogs && t.buildID && t.buildID !== t.templateID) && now !== last) {
       const pulled = p.pullBytesTotal ? ` (${bytes(p.pullBytesDone)} / ${bytes(p.pullBytesTotal)})` : '';
       line(`${new Date().toISOString()} ${t.buildStatus}: ${p.phase || ''}${pulled}${t.reason ? ` — ${t.reason}` : ''}`);
     }
