@@ -28,7 +28,7 @@ fn e2b_template_builds_end_to_end() {
         &s,
         &python,
         "template_build.py",
-        &[("AENV_TEST_IMAGE", &base_image())],
+        &[("AENV_TEST_IMAGE", &base_image()), ("AENV_TEST_CACHE", "1")],
     );
     println!(
         "{out}\ntemplate_build.py took {:.1}s",

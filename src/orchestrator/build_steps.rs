@@ -49,16 +49,27 @@ pub struct StepRunner<'a> {
 }
 
 impl StepRunner<'_> {
-    /// Runs `steps` in order; `done` says which ran already (cached) and are only applied.
+    /// Runs `steps` in order; the first `cached` ran already (their result is the disk
+    /// booted) and are only applied and logged as `CACHED`.
     pub fn run_steps(
         &mut self,
         steps: &[Step],
+        cached: usize,
         copier: &dyn CopyFiles,
-        mut on_step_done: impl FnMut(usize, &StepRunner) -> Result<(), String>,
+        mut on_step_done: impl FnMut(usize, &StepRunner),
     ) -> Result<(), StepFailure> {
         let total = steps.len();
         for (i, step) in steps.iter().enumerate() {
             let name = (i + 1).to_string();
+            if i < cached {
+                self.log.push(
+                    LogLevel::Info,
+                    format!("CACHED [{name}/{total}] {}", step.kind.describe()),
+                    Some(&name),
+                );
+                self.state.apply(&step.kind);
+                continue;
+            }
             let fail = |message: String| StepFailure {
                 step: name.clone(),
                 message: format!("step {name} ({}) failed: {message}", step.kind.describe()),
@@ -72,7 +83,7 @@ impl StepRunner<'_> {
             );
             self.run_one(&name, &step.kind, copier).map_err(fail)?;
             self.state.apply(&step.kind);
-            on_step_done(i, self).map_err(fail)?;
+            on_step_done(i, self);
             self.log.push(
                 LogLevel::Info,
                 format!(

@@ -98,7 +98,10 @@ impl Rig {
         StartRequest {
             id: id.to_string(),
             run_dir,
-            kind: StartKind::Fresh { memory_file: None },
+            kind: StartKind::Fresh {
+                memory_file: None,
+                disk: None,
+            },
             resources: settings.resources,
             internet_access,
             params: settings.custom_extension_params,

@@ -355,6 +355,9 @@ pub(crate) mod sides {
         fn flatten_disk(&mut self, _: Duration) -> Result<(), VmError> {
             Ok(())
         }
+        fn freeze_disk(&mut self, _: &Path) -> Result<Vec<std::path::PathBuf>, VmError> {
+            Ok(Vec::new())
+        }
     }
 
     /// A capture into `dir` (its state file) of the disk in `run_dir`.

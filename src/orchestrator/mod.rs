@@ -31,6 +31,7 @@ mod standby;
 #[cfg(test)]
 mod standby_tests;
 mod start;
+mod step_cache;
 pub mod steps;
 mod supervisor;
 mod templates;
@@ -122,6 +123,8 @@ pub(crate) struct Shared {
     pub catalog: catalog::Catalog,
     /// COPY files uploaded for builds.
     pub uploads: build_files::Uploads,
+    /// Build steps' results, shared by every template.
+    pub step_cache: step_cache::StepCache,
     pub operations: OperationCounters,
     pub idempotency: idempotency::IdempotencyKeys,
     pub shutting_down: AtomicBool,
@@ -177,6 +180,7 @@ impl Orchestrator {
             config.sandbox.idempotency_window_secs,
         ));
         let catalog = catalog::Catalog::load(config.server.state_dir.join("catalog"));
+        let step_cache = step_cache::StepCache::new(config.server.state_dir.join("build-cache"));
         let uploads = build_files::Uploads::new(
             config.server.state_dir.join("template-files"),
             config.templates.max_upload_bytes,
@@ -190,6 +194,7 @@ impl Orchestrator {
             builds,
             catalog,
             uploads,
+            step_cache,
             operations: OperationCounters::default(),
             idempotency,
             shutting_down: AtomicBool::new(false),

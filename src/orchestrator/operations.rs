@@ -131,7 +131,10 @@ pub(crate) fn create_cold(
         StartRequest {
             id: id.clone(),
             run_dir,
-            kind: StartKind::Fresh { memory_file: None },
+            kind: StartKind::Fresh {
+                memory_file: None,
+                disk: None,
+            },
             resources: settings.resources,
             internet_access: settings.internet_access,
             params: settings.custom_extension_params.clone(),

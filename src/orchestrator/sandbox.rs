@@ -202,6 +202,11 @@ pub enum Op {
         run_on: bool,
         reply: Sender<Result<crate::vm::CaptureRecord, super::supervisor::PauseOutcome>>,
     },
+    /// Freeze the disk into `dir` (a build step's cached result); the VM runs on.
+    FreezeDisk {
+        dir: std::path::PathBuf,
+        reply: Sender<Result<Vec<std::path::PathBuf>, String>>,
+    },
 }
 
 /// The live part of a running sandbox: the channel to its supervisor and the guest agent

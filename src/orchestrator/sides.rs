@@ -130,6 +130,8 @@ pub(crate) trait Machine: Send {
     }
     fn disk_chain_depth(&mut self) -> Result<usize, VmError>;
     fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError>;
+    /// Freezes the disk into `dir` (hard links of its layers); the guest runs on.
+    fn freeze_disk(&mut self, dir: &Path) -> Result<Vec<std::path::PathBuf>, VmError>;
 }
 
 /// The real VMs: QEMU processes.
@@ -195,6 +197,9 @@ impl Machine for Vm {
     }
     fn boot_finished(&mut self) -> Result<(), VmError> {
         Vm::boot_finished(self)
+    }
+    fn freeze_disk(&mut self, dir: &Path) -> Result<Vec<std::path::PathBuf>, VmError> {
+        Vm::freeze_disk(self, dir)
     }
     fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
         Vm::disk_chain_depth(self)

@@ -86,8 +86,12 @@ impl Launcher {
 
 /// How the new VM comes to life.
 pub(crate) enum StartKind {
-    /// A fresh boot (start-fresh); with `memory_file` the guest's RAM is that file.
-    Fresh { memory_file: Option<PathBuf> },
+    /// A fresh boot (start-fresh); with `memory_file` the guest's RAM is that file; the
+    /// disk is `disk` (a top layer in the run dir), else the run dir's `disk.qcow2`.
+    Fresh {
+        memory_file: Option<PathBuf>,
+        disk: Option<PathBuf>,
+    },
     /// A restore of `record` onto the writable top layer `disk` (start-resume); with
     /// `standby`, into a claimed standby's QEMU, slot and admission share.
     Restore {
@@ -196,7 +200,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
     let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
     let context = start_context(&id, &slot, &params);
     let (instance, hooked) = match kind {
-        StartKind::Fresh { memory_file } => {
+        StartKind::Fresh { memory_file, disk } => {
             let mut kernel_args = launcher.kernel_args.clone();
             let base_cmdline = match vm::kernel_cmdline(launcher.accel, &kernel_args) {
                 Ok(c) => c,
@@ -211,6 +215,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                 Launch::Cold {
                     kernel_args,
                     memory_file,
+                    disk,
                 }
             });
             (instance, hooked)

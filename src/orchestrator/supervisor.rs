@@ -82,6 +82,8 @@ pub(crate) enum Launch {
     Cold {
         kernel_args: Vec<String>,
         memory_file: Option<PathBuf>,
+        /// The top layer to boot on; `None` is the run dir's `disk.qcow2`.
+        disk: Option<PathBuf>,
     },
     /// A restore of `record` onto the writable top layer `disk`. The start-resume hook
     /// runs while the VM is prepared (QEMU started, state loaded, vCPUs stopped: the guest
@@ -389,6 +391,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         Launch::Cold {
             kernel_args,
             memory_file,
+            disk,
         } => {
             let assets = &launcher.vm.assets_dir;
             let spec = VmSpec {
@@ -398,7 +401,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
                 kernel_args,
                 cpu_count: resources.cpu_count,
                 memory_mb: resources.memory_mb,
-                disk: run_dir.path().join("disk.qcow2"),
+                disk: disk.unwrap_or_else(|| run_dir.path().join("disk.qcow2")),
                 netns: Some(netns),
                 tap,
                 accel: launcher.accel,
@@ -560,6 +563,15 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                         return;
                     }
                 }
+            }
+            Ok(Op::FreezeDisk { dir, reply }) => {
+                let frozen = match runtime.vm.disk_chain_depth() {
+                    Ok(d) if d + 2 >= vm::MAX_CHAIN_LAYERS => {
+                        Err(format!("the disk chain is {d} layers deep"))
+                    }
+                    _ => runtime.vm.freeze_disk(&dir).map_err(|e| e.to_string()),
+                };
+                let _ = reply.send(frozen);
             }
             Err(RecvTimeoutError::Timeout) => {
                 watch_agent(id, &mut runtime);
@@ -758,6 +770,7 @@ mod tests {
             launch: Launch::Cold {
                 kernel_args: vec![],
                 memory_file: None,
+                disk: None,
             },
             resources: crate::orchestrator::fakes::settings().resources,
             reservation: admission.reserve(128, 1).unwrap(),

@@ -211,6 +211,9 @@ pub struct TemplateBuild {
     /// The log of a finished build (a running one's is in `progress`).
     #[serde(default)]
     pub logs: Vec<LogEntry>,
+    /// The step cache entries this build made or used (kept while the record is).
+    #[serde(default)]
+    pub cache_keys: Vec<String>,
     #[serde(skip)]
     pub progress: BuildProgress,
 }
@@ -380,6 +383,7 @@ fn new_build(id: &str, req: &TemplateRequest) -> TemplateBuild {
         updated_at: now,
         catalog: req.catalog.clone(),
         logs: Vec::new(),
+        cache_keys: Vec::new(),
         progress: BuildProgress::default(),
     }
 }
@@ -663,6 +667,7 @@ pub(crate) fn remove_build(shared: &Arc<Shared>, build_id: &str) {
         .forget(build_id, &*shared.launcher.net);
     shared.snapshots.delete(build_id);
     shared.builds.remove(build_id);
+    collect_cache(shared);
 }
 
 /// The build itself. The build sandbox is internal: its id is never shown by the API.
@@ -715,26 +720,49 @@ fn build(
     let template_dir = shared.snapshots.dir(template_id);
     crate::store::ensure_private_dir(&template_dir)
         .map_err(|e| OrchError::Internal(e.to_string()))?;
-    let booted = operations::boot_fresh(
-        &shared.launcher,
-        &image,
-        StartRequest {
-            id: sandbox_id.clone(),
-            run_dir,
-            kind: StartKind::Fresh {
-                memory_file: Some(template_dir.join("memory.ram")),
-            },
-            resources: settings.resources,
-            internet_access: settings.internet_access,
-            params: settings.custom_extension_params.clone(),
-            failed_reason: StopReason::TemplateBuild,
-            // Never registered: nothing to forget or mark.
-            watch: Box::new(Unwatched),
+    let spec = req.catalog.as_ref().and_then(|c| c.spec.as_ref());
+    let plan = spec.map(|spec| {
+        let base = format!(
+            "{}:{}",
+            image.base_disk.display(),
+            req.resources.disk_size_mb
+        );
+        shared.step_cache.plan(&base, spec)
+    });
+    if let Some(plan) = &plan {
+        // Named now, so a collection meanwhile keeps what this build uses.
+        let keys = plan.keys.clone();
+        shared.builds.change(template_id, |b| b.cache_keys = keys);
+    }
+    // On a cache hit the build boots on the last cached step's disk.
+    let cached_disk = match plan.as_ref().filter(|p| p.hit > 0) {
+        Some(p) => Some(
+            crate::vm::create_clone_disk(&p.layers, run_dir.path())
+                .map_err(|e| OrchError::Internal(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let start_req = StartRequest {
+        id: sandbox_id.clone(),
+        run_dir,
+        kind: StartKind::Fresh {
+            memory_file: Some(template_dir.join("memory.ram")),
+            disk: cached_disk.clone(),
         },
-    )?;
+        resources: settings.resources,
+        internet_access: settings.internet_access,
+        params: settings.custom_extension_params.clone(),
+        failed_reason: StopReason::TemplateBuild,
+        // Never registered: nothing to forget or mark.
+        watch: Box::new(Unwatched),
+    };
+    let booted = match cached_disk {
+        Some(_) => super::start::start(&shared.launcher, start_req)?,
+        None => operations::boot_fresh(&shared.launcher, &image, start_req)?,
+    };
     let (ops, agent) = (&booted.runtime.ops, &booted.runtime.agent);
     let stop_build = || booted.runtime.delete(StopReason::TemplateBuild);
-    if let Some(spec) = req.catalog.as_ref().and_then(|c| c.spec.as_ref()) {
+    if let (Some(spec), Some(plan)) = (spec, &plan) {
         progress.set(BuildPhase::StartCmd);
         let addr = std::net::SocketAddr::new(booted.host_ip.into(), shared.config.agent.port);
         let deadline =
@@ -751,8 +779,14 @@ fn build(
             store: &shared.uploads,
             agent,
         };
+        let mut caching = true;
+        let freeze = |i: usize, runner: &StepRunner| {
+            if caching {
+                caching = cache_step(shared, ops, runner, &plan.keys[i], i + 1);
+            }
+        };
         let ran = runner
-            .run_steps(&spec.steps, &copier, |_, _| Ok(()))
+            .run_steps(&spec.steps, plan.hit, &copier, freeze)
             .and_then(|()| {
                 runner.start_and_wait_ready(spec.start_cmd.as_deref(), spec.ready_cmd.as_deref())
             });
@@ -907,4 +941,60 @@ pub(crate) fn remove_tags(
         remove_build(shared, &old);
     }
     Ok(())
+}
+
+/// Keeps step `n`'s result (the disk frozen after it) as cache entry `key`; `false` when
+/// it cannot (the caller stops caching this build: its disk chain is too deep, or the
+/// freeze failed), which is logged and does not fail the build.
+fn cache_step(
+    shared: &Arc<Shared>,
+    ops: &crossbeam_channel::Sender<Op>,
+    runner: &StepRunner,
+    key: &str,
+    n: usize,
+) -> bool {
+    let step = n.to_string();
+    let kept = (|| {
+        runner.shell(&step, "root", "sync", &[])?;
+        let partial = shared.step_cache.partial_dir()?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        ops.send(Op::FreezeDisk {
+            dir: partial.clone(),
+            reply: tx,
+        })
+        .map_err(|_| "the build VM is gone".to_string())?;
+        let frozen = rx
+            .recv()
+            .map_err(|_| "the build VM is gone".to_string())
+            .and_then(|r| r);
+        match frozen {
+            Ok(layers) => shared.step_cache.commit(&partial, key, &layers),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&partial);
+                Err(e)
+            }
+        }
+    })();
+    if let Err(why) = &kept {
+        runner.log.push(
+            LogLevel::Warn,
+            format!("step {n} and later are not cached: {why}"),
+            Some(&step),
+        );
+    }
+    kept.is_ok()
+}
+
+/// Removes the cache entries no build record names.
+pub(crate) fn collect_cache(shared: &Arc<Shared>) {
+    let live: std::collections::HashSet<String> = shared
+        .builds
+        .list()
+        .into_iter()
+        .flat_map(|b| b.cache_keys)
+        .collect();
+    let removed = shared.step_cache.gc(&live);
+    if removed > 0 {
+        log::info!("op=step_cache_gc removed={removed}");
+    }
 }

@@ -467,6 +467,54 @@ impl Vm {
         Ok(())
     }
 
+    /// Freezes the disk without capturing any state (a build step's result): the vCPUs
+    /// stop for the switch onto a new empty top layer, the old top becomes read-only, and
+    /// every qcow2 layer of the chain is hard-linked into `dir`; then the guest runs on.
+    /// The caller has the guest `sync` first. Returns the linked layers, bottom first.
+    pub fn freeze_disk(&mut self, dir: &Path) -> Result<Vec<PathBuf>, VmError> {
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| VmError::io(format!("cannot create {}", dir.display()), e))?;
+        }
+        let chain = disk_chain(&self.facts.disk)?;
+        let sandbox_dir = self.facts.disk.parent().unwrap_or(Path::new("."));
+        let next = disk::next_layer_path(sandbox_dir, &chain);
+        let backing = self
+            .facts
+            .disk
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| {
+                VmError::InvalidSpec(format!("disk {} is not UTF-8", self.facts.disk.display()))
+            })?
+            .to_string();
+        disk::create_layer(&next, &backing, chain.virtual_size)?;
+        self.qmp().stop()?;
+        let frozen = self.disk_node().to_string();
+        let under = self.facts.disk_backing.clone();
+        let switched = self.switch_disk(&next);
+        if switched.is_ok() {
+            if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
+                log::warn!(
+                    "vm op=freeze_disk pid={} node={frozen} revoke_writes_error={e}",
+                    self.pid()
+                );
+            }
+        } else {
+            let _ = std::fs::remove_file(&next);
+        }
+        let resumed = self.qmp().cont();
+        switched?;
+        resumed?;
+        let linked = disk::link_layers(&chain.layers, dir)?;
+        fsync_dir(dir)?;
+        Ok(linked)
+    }
+
     /// Lets the vCPUs run (after a capture, or after a restore is prepared).
     pub fn resume_vcpus(&mut self) -> Result<(), VmError> {
         self.qmp().cont()
