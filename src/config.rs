@@ -344,6 +344,9 @@ pub struct MetricsConfig {
     /// How often the last hour's history of these numbers is sampled
     /// (`GET /metrics/history`, the console's host page).
     pub history_interval_secs: u64,
+    /// How often each running sandbox's guest is sampled for
+    /// `GET /sandboxes/{id}/metrics`; 0 = never (one live sample per call).
+    pub sandbox_interval_secs: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -534,6 +537,12 @@ impl Config {
             return invalid(
                 "metrics.history_interval_secs",
                 "must be in 1..=3600".into(),
+            );
+        }
+        if self.metrics.sandbox_interval_secs > 3600 {
+            return invalid(
+                "metrics.sandbox_interval_secs",
+                "must be in 0..=3600 (0 = no history)".into(),
             );
         }
         let sb = &self.sandbox;

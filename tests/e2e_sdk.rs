@@ -28,7 +28,8 @@ fn envd(s: &Server, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16,
 #[test]
 fn e2b_sdks_end_to_end() {
     let (python, js_module) = sdk_tools();
-    let s = Server::start("");
+    // Guests sampled every second, so get_metrics has a history within the test.
+    let s = Server::start("[metrics]\nsandbox_interval_secs = 1\n");
     build_template(&s, "base");
     control_plane_and_envd_routing(&s);
     let mut calls = Vec::new();
@@ -148,6 +149,27 @@ fn control_plane_and_envd_routing(s: &Server) {
     );
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["envdAccessToken"], token.as_str());
+
+    // Metrics of several sandboxes: the newest sample of each known one.
+    let (code, m) = s.call(
+        "GET",
+        &format!("/sandboxes/metrics?sandbox_ids={id},{missing}"),
+        None,
+    );
+    assert_eq!(code, 200, "{m}");
+    let known = m["sandboxes"].as_object().unwrap();
+    assert_eq!(known.keys().collect::<Vec<_>>(), vec![&id], "{m}");
+    assert!(known[&id]["memTotal"].as_u64().unwrap() > 0, "{m}");
+    for bad in ["", "sandbox_ids=", "sandbox_ids=x", "sandbox_ids=a,b&x"] {
+        let (code, v) = s.call("GET", &format!("/sandboxes/metrics?{bad}"), None);
+        assert_eq!(code, 400, "{bad}: {v}");
+    }
+    let (code, v) = s.call(
+        "GET",
+        &format!("/sandboxes/{id}/metrics?start=9&end=3"),
+        None,
+    );
+    assert_eq!(code, 400, "start > end: {v}");
 
     // Paused: "was not found" for the token holder, 401 for others; connect resumes it
     // with the same token.

@@ -1,5 +1,6 @@
 //! Response bodies (api.md §3). Field names marked [E2B] in the spec are read by E2B SDKs.
 
+use crate::orchestrator::guest_metrics::GuestSample;
 use crate::orchestrator::{CatalogTemplate, SandboxInfo, SnapshotRecord, TemplateBuild};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
@@ -176,28 +177,19 @@ pub fn catalog_template(
     })
 }
 
-/// A guest's envd metrics sample (`ts`, `cpu_count`, ... in bytes) as E2B's
-/// `SandboxMetric`. Missing or malformed numbers are 0: the guest is not trusted.
-pub fn sandbox_metric(sample: &Value) -> Value {
-    let int = |k: &str| sample.get(k).and_then(Value::as_u64).unwrap_or(0);
-    let ts = int("ts");
-    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(ts);
-    let pct = sample
-        .get("cpu_used_pct")
-        .and_then(Value::as_f64)
-        .filter(|p| p.is_finite())
-        .unwrap_or(0.0)
-        .clamp(0.0, 100.0);
+/// One guest sample in E2B's `SandboxMetric` shape.
+pub fn sandbox_metric(s: &GuestSample) -> Value {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(s.at_unix_ms);
     json!({
         "timestamp": rfc3339(at),
-        "timestampUnix": ts,
-        "cpuCount": int("cpu_count"),
-        "cpuUsedPct": pct,
-        "memUsed": int("mem_used"),
-        "memTotal": int("mem_total"),
-        "memCache": int("mem_cache"),
-        "diskUsed": int("disk_used"),
-        "diskTotal": int("disk_total"),
+        "timestampUnix": s.at_unix_ms / 1000,
+        "cpuCount": s.cpu_count,
+        "cpuUsedPct": s.cpu_used_pct,
+        "memUsed": s.mem_used,
+        "memTotal": s.mem_total,
+        "memCache": s.mem_cache,
+        "diskUsed": s.disk_used,
+        "diskTotal": s.disk_total,
     })
 }
 

@@ -69,6 +69,17 @@ pub fn limit(pairs: &[(String, String)]) -> Result<Option<usize>, ApiError> {
     }
 }
 
+/// A unix time in seconds named `key`, when given.
+pub fn unix_seconds(pairs: &[(String, String)], key: &str) -> Result<Option<u64>, ApiError> {
+    get(pairs, key)
+        .map(|v| {
+            v.trim().parse::<u64>().map_err(|_| {
+                ApiError::bad_request(format!("{key} must be unix seconds (got {v:?})"))
+            })
+        })
+        .transpose()
+}
+
 /// An RFC 3339 time (`2026-12-01T10:00:00Z`, `...+02:00`, fractions allowed), named `key`.
 pub fn time(pairs: &[(String, String)], key: &str) -> Result<Option<SystemTime>, ApiError> {
     let Some(v) = get(pairs, key) else {

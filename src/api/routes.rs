@@ -80,6 +80,9 @@ pub static ROUTES: &[Route] = &[
         Control,
         |ctx, req, t| connect(ctx, req, t.var, true),
     ),
+    r(Get, "/sandboxes/metrics", Quick, |ctx, _, t| {
+        several_sandbox_metrics(ctx, t.query)
+    }),
     r(Get, "/sandboxes/{sandboxID}", Quick, |ctx, _, t| {
         get_sandbox(ctx, t.var)
     }),
@@ -142,7 +145,7 @@ pub static ROUTES: &[Route] = &[
         upload(ctx, req, t.var, t.query)
     }),
     r(Get, "/sandboxes/{sandboxID}/metrics", Io, |ctx, _, t| {
-        sandbox_metrics(ctx, t.var)
+        sandbox_metrics(ctx, t.var, t.query)
     }),
     r(Get, "/sandboxes/{sandboxID}/logs", Quick, |ctx, _, t| {
         console_log(ctx, t.var, t.query)
@@ -329,12 +332,7 @@ fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
 /// after `since` (unix seconds) when given (api.md §4.24).
 fn metrics_history(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
     let pairs = query::parse(query_string);
-    let since = match query::get(&pairs, "since") {
-        None => 0,
-        Some(v) => v
-            .parse::<u64>()
-            .map_err(|_| ApiError::bad_request("since must be unix seconds"))?,
-    };
+    let since = query::unix_seconds(&pairs, "since")?.unwrap_or(0);
     let node = ctx.orchestrator.node_name();
     Ok(Reply::json(200, ctx.history.to_json(since, &node)))
 }
@@ -1094,37 +1092,57 @@ fn upload(
     Ok(Reply::Empty(204))
 }
 
-/// `GET /sandboxes/{id}/metrics` (E2B's sandbox metrics): one sample of what the guest
-/// sees of its CPU, memory and root disk, read from the guest's envd `GET /metrics`. A
-/// sandbox that is not running has no metrics (`[]`).
-fn sandbox_metrics(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
+/// `GET /sandboxes/{id}/metrics?start=&end=` (E2B's sandbox metrics, api.md §4.21): the
+/// samples of what the guest saw of its CPU, memory and root disk, taken every
+/// `[metrics] sandbox_interval_secs` while it ran, within `[start, end]` (unix seconds;
+/// default: the whole life kept).
+fn sandbox_metrics(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
     let id = checked_id(id)?;
-    ctx.orchestrator.get(id)?;
-    let crate::orchestrator::EnvdRoute::Running(target) = ctx.orchestrator.envd_route(id) else {
-        return Ok(Reply::json(200, json!([])));
-    };
-    let port = ctx.orchestrator.config().agent.port;
-    let addr = std::net::SocketAddr::from((target.host_ip, port));
-    let timeout = std::time::Duration::from_secs(5);
-    let (status, body) =
-        crate::envd::call(addr, "GET", "/metrics", "application/json", b"", timeout).map_err(
-            |e| {
-                ApiError::new(
-                    502,
-                    format!("sandbox {id}: the guest's metrics are unavailable: {e}"),
-                )
-            },
-        )?;
-    let sample: Value = serde_json::from_slice(&body)
-        .ok()
-        .filter(|_| status == 200)
-        .ok_or_else(|| {
-            ApiError::new(
-                502,
-                format!("sandbox {id}: the guest answered its metrics with status {status} and no valid sample"),
-            )
-        })?;
-    Ok(Reply::json(200, json!([models::sandbox_metric(&sample)])))
+    let pairs = query::parse(query_string);
+    let start = query::unix_seconds(&pairs, "start")?.unwrap_or(0);
+    let end = query::unix_seconds(&pairs, "end")?.unwrap_or(u64::MAX);
+    if start > end {
+        return Err(ApiError::bad_request(format!(
+            "start ({start}) must not be after end ({end})"
+        )));
+    }
+    let samples = ctx.orchestrator.sandbox_metrics(id, start, end)?;
+    let body: Vec<Value> = samples.iter().map(models::sandbox_metric).collect();
+    Ok(Reply::json(200, Value::Array(body)))
+}
+
+/// Sandboxes one call may ask about (E2B's limit).
+const MAX_METRICS_IDS: usize = 100;
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the newest sample of each listed sandbox
+/// that has one, as `{"sandboxes": {id: metric}}` (api.md §4.21).
+fn several_sandbox_metrics(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+    let pairs = query::parse(query_string);
+    let ids: Vec<String> = query::get(&pairs, "sandbox_ids")
+        .ok_or_else(|| ApiError::bad_request("sandbox_ids is required (a comma-separated list)"))?
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if ids.is_empty() || ids.len() > MAX_METRICS_IDS {
+        return Err(ApiError::bad_request(format!(
+            "sandbox_ids must name 1..={MAX_METRICS_IDS} sandboxes (got {})",
+            ids.len()
+        )));
+    }
+    if let Some(bad) = ids.iter().find(|id| !is_uuid(id)) {
+        return Err(ApiError::bad_request(format!(
+            "sandbox_ids: {bad:?} is not a sandbox id"
+        )));
+    }
+    let found: serde_json::Map<String, Value> = ctx
+        .orchestrator
+        .latest_metrics(&ids)
+        .iter()
+        .map(|(id, sample)| (id.clone(), models::sandbox_metric(sample)))
+        .collect();
+    Ok(Reply::json(200, json!({ "sandboxes": found })))
 }
 
 #[cfg(test)]

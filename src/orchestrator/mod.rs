@@ -17,6 +17,7 @@ mod expiry;
 mod failure_tests;
 #[cfg(test)]
 pub(crate) mod fakes;
+pub mod guest_metrics;
 mod idempotency;
 mod lifecycle;
 mod metrics;
@@ -176,6 +177,13 @@ impl Orchestrator {
         standby::StandbyPool::start(&launcher, sandboxes_dir.clone());
         let registry = Arc::new(Registry::new(sandboxes_dir, sandboxes));
         expiry::spawn(Arc::downgrade(&registry));
+        if config.metrics.sandbox_interval_secs > 0 {
+            guest_metrics::spawn(
+                Arc::downgrade(&registry),
+                Duration::from_secs(config.metrics.sandbox_interval_secs),
+                config.agent.port,
+            );
+        }
         let idempotency = idempotency::IdempotencyKeys::new(Duration::from_secs(
             config.sandbox.idempotency_window_secs,
         ));
@@ -722,6 +730,44 @@ impl Orchestrator {
     /// Whether VM `instance` still runs sandbox `id`.
     pub fn envd_instance_alive(&self, id: &str, instance: u64) -> bool {
         envd::instance_alive(&self.shared.registry, id, instance)
+    }
+
+    /// A visible sandbox's guest samples taken in `[start, end]` (unix seconds), oldest
+    /// first; a paused one gives what was kept of its life.
+    pub fn sandbox_metrics(
+        &self,
+        id: &str,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<guest_metrics::GuestSample>, OrchError> {
+        let entry = self.entry(id)?;
+        self.sample_if_unsampled(&entry);
+        Ok(entry.metrics.between(start, end))
+    }
+
+    /// The newest sample of each visible sandbox among `ids` that has one.
+    pub fn latest_metrics(&self, ids: &[String]) -> Vec<(String, guest_metrics::GuestSample)> {
+        ids.iter()
+            .filter_map(|id| {
+                let entry = self.entry(id).ok()?;
+                self.sample_if_unsampled(&entry);
+                Some((id.clone(), entry.metrics.latest()?))
+            })
+            .collect()
+    }
+
+    /// Asks a running guest once when the sampler has not (yet) done so, or is off.
+    fn sample_if_unsampled(&self, entry: &SandboxEntry) {
+        let sampler_off = self.shared.config.metrics.sandbox_interval_secs == 0;
+        if !sampler_off && entry.metrics.latest().is_some() {
+            return;
+        }
+        let live = entry
+            .guest_agent_addr(self.shared.config.agent.port)
+            .and_then(guest_metrics::sample_guest);
+        if let Some(sample) = live {
+            entry.metrics.push(sample);
+        }
     }
 
     /// Prometheus text for `GET /metrics`.

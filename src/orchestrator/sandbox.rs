@@ -260,6 +260,8 @@ pub struct SandboxEntry {
     /// patch-params calls in flight; pause, delete and snapshot wait for them (custom-extension.md §6.4).
     patches: Mutex<u32>,
     patches_done: Condvar,
+    /// What the guest saw of its CPU, memory and disk, sampled while it ran.
+    pub metrics: super::guest_metrics::MetricsRing,
 }
 
 impl SandboxEntry {
@@ -274,7 +276,15 @@ impl SandboxEntry {
             wake_error: Mutex::new(None),
             patches: Mutex::new(0),
             patches_done: Condvar::new(),
+            metrics: Default::default(),
         }
+    }
+
+    /// Where the guest agent listens while the sandbox runs; `None` otherwise.
+    pub fn guest_agent_addr(&self, agent_port: u16) -> Option<std::net::SocketAddr> {
+        let info = self.info.lock();
+        let running = info.state == SandboxState::Running && self.runtime.lock().is_some();
+        running.then(|| std::net::SocketAddr::from((info.host_ip, agent_port)))
     }
 
     /// Counts a PATCH in flight if the sandbox is running; `false` otherwise (409).

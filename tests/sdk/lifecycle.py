@@ -3,6 +3,7 @@ timeout, pause -> list shows paused -> connect resumes with files intact, kill, 
 exceptions for a missing sandbox and a wrong API key."""
 
 import os
+import time
 
 from e2b import (
     AuthenticationException,
@@ -31,13 +32,28 @@ def body():
     ok("Sandbox.list(metadata=)", [s.sandbox_id for s in listed] == [sbx.sandbox_id], listed)
 
     metrics = sbx.get_metrics()
-    m = metrics[0] if len(metrics) == 1 else None
+    m = metrics[-1] if metrics else None
     ok(
         "Sandbox.get_metrics() is the guest's view",
         m is not None and m.cpu_count >= 1 and 0 <= m.cpu_used_pct <= 100
         and 0 < m.mem_used < m.mem_total and 0 < m.disk_used < m.disk_total,
         metrics,
     )
+    # The server here samples every second: a history builds up while the sandbox runs.
+    deadline = time.monotonic() + 30
+    while len(metrics) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = sbx.get_metrics()
+    stamps = [x.timestamp for x in metrics]
+    ok("Sandbox.get_metrics() returns the samples of the sandbox's life, oldest first",
+       len(metrics) >= 4 and stamps == sorted(stamps) and len(set(stamps)) == len(stamps), stamps)
+    later = sbx.get_metrics(start=stamps[2])
+    ok("Sandbox.get_metrics(start=) leaves out earlier samples",
+       stamps[0] not in [x.timestamp for x in later]
+       and all(x.timestamp >= stamps[2].replace(microsecond=0) for x in later), later)
+    ok("Sandbox.get_metrics(end=) leaves out later samples",
+       [x.timestamp for x in sbx.get_metrics(end=stamps[0])] == stamps[:1]
+       or stamps[0].replace(microsecond=0) == stamps[1].replace(microsecond=0))
 
     sbx.set_timeout(900)
     end = sbx.get_info().end_at
@@ -48,7 +64,10 @@ def body():
     sbx.pause()
     ok("Sandbox.pause()")
     ok("is_running() is False while paused", not sbx.is_running())
-    ok("Sandbox.get_metrics() of a paused sandbox is empty", sbx.get_metrics() == [])
+    kept = sbx.get_metrics()
+    time.sleep(2)
+    ok("Sandbox.get_metrics() of a paused sandbox: its life so far, no new samples",
+       len(kept) >= len(metrics) and sbx.get_metrics() == kept, kept)
     paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
     ok("Sandbox.list(state=[PAUSED]) shows it", [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused)
 

@@ -1,0 +1,210 @@
+//! Each sandbox's metrics over its life (api.md §4.21): what its guest sees of its CPU,
+//! memory and root disk, sampled while it runs.
+//!
+//! Thread: `sandbox-metrics` asks every running sandbox's guest agent (`GET /metrics`)
+//! every `[metrics] sandbox_interval_secs`, one guest after another with a short
+//! timeout, and keeps the answers in the sandbox's [`MetricsRing`] (at most
+//! [`MAX_SAMPLES`], the oldest dropped first). The samples live as long as the sandbox's
+//! entry, across pauses; a server restart forgets them. Timestamps are the host's clock,
+//! which is what a client's `start`/`end` refer to.
+
+use super::registry::Registry;
+use super::sandbox::SandboxEntry;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Weak;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Samples kept per sandbox: 2 hours at the default 5 s.
+pub const MAX_SAMPLES: usize = 1440;
+/// The longest wait for one guest's answer; a guest that does not answer in time gives
+/// no sample this round.
+const GUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One sample of a guest, as the E2B metrics model reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct GuestSample {
+    /// Host time of the sample, unix milliseconds.
+    pub at_unix_ms: u64,
+    pub cpu_count: u64,
+    /// 0..=100.
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// What the guest agent's `GET /metrics` answers (unknown fields ignored, missing → 0).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct GuestAnswer {
+    cpu_count: u64,
+    cpu_used_pct: f64,
+    mem_used: u64,
+    mem_total: u64,
+    mem_cache: u64,
+    disk_used: u64,
+    disk_total: u64,
+}
+
+impl GuestSample {
+    /// Parses a guest's answer (untrusted: a bad one is `None`, a percentage outside
+    /// 0..=100 is clamped).
+    pub fn parse(body: &[u8], at: SystemTime) -> Option<GuestSample> {
+        let a: GuestAnswer = serde_json::from_slice(body).ok()?;
+        let pct = if a.cpu_used_pct.is_finite() {
+            a.cpu_used_pct.clamp(0.0, 100.0)
+        } else {
+            0.0
+        };
+        Some(GuestSample {
+            at_unix_ms: unix_ms(at),
+            cpu_count: a.cpu_count,
+            cpu_used_pct: pct,
+            mem_used: a.mem_used,
+            mem_total: a.mem_total,
+            mem_cache: a.mem_cache,
+            disk_used: a.disk_used,
+            disk_total: a.disk_total,
+        })
+    }
+}
+
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A sandbox's samples, oldest first.
+#[derive(Default)]
+pub struct MetricsRing {
+    samples: Mutex<VecDeque<GuestSample>>,
+}
+
+impl MetricsRing {
+    pub fn push(&self, sample: GuestSample) {
+        let mut samples = self.samples.lock();
+        if samples.len() == MAX_SAMPLES {
+            samples.pop_front();
+        }
+        samples.push_back(sample);
+    }
+
+    /// The samples taken in `[start, end]` (unix seconds, both inclusive).
+    pub fn between(&self, start: u64, end: u64) -> Vec<GuestSample> {
+        let (from, to) = (
+            start.saturating_mul(1000),
+            end.saturating_mul(1000).saturating_add(999),
+        );
+        self.samples
+            .lock()
+            .iter()
+            .filter(|s| (from..=to).contains(&s.at_unix_ms))
+            .copied()
+            .collect()
+    }
+
+    pub fn latest(&self) -> Option<GuestSample> {
+        self.samples.lock().back().copied()
+    }
+}
+
+/// Asks one running guest for a sample; `None` when it does not answer in time or
+/// answers nonsense.
+pub(crate) fn sample_guest(addr: SocketAddr) -> Option<GuestSample> {
+    let (status, body) = crate::envd::call(
+        addr,
+        "GET",
+        "/metrics",
+        "application/json",
+        b"",
+        GUEST_TIMEOUT,
+    )
+    .ok()?;
+    (status == 200)
+        .then(|| GuestSample::parse(&body, SystemTime::now()))
+        .flatten()
+}
+
+/// Starts the sampler; it ends with the registry.
+pub(crate) fn spawn(registry: Weak<Registry>, interval: Duration, agent_port: u16) {
+    std::thread::Builder::new()
+        .name("sandbox-metrics".into())
+        .spawn(move || loop {
+            std::thread::sleep(interval);
+            let Some(registry) = registry.upgrade() else {
+                return;
+            };
+            let entries = registry.entries();
+            drop(registry);
+            for entry in entries {
+                sample_entry(&entry, agent_port);
+            }
+        })
+        .expect("spawn sandbox-metrics thread");
+}
+
+fn sample_entry(entry: &SandboxEntry, agent_port: u16) {
+    let Some(addr) = entry.guest_agent_addr(agent_port) else {
+        return;
+    };
+    // A pause that began during the call leaves the sample out: a paused sandbox's
+    // history ends where it stopped.
+    if let Some(sample) =
+        sample_guest(addr).filter(|_| entry.guest_agent_addr(agent_port).is_some())
+    {
+        entry.metrics.push(sample);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn a_guest_answer_is_parsed_with_the_host_time_and_a_bounded_percentage() {
+        let s = GuestSample::parse(
+            br#"{"ts": 5, "cpu_count": 2, "cpu_used_pct": 250.5, "mem_used": 7, "x": []}"#,
+            at(100),
+        )
+        .unwrap();
+        assert_eq!(s.at_unix_ms, 100_000);
+        assert_eq!(s.cpu_count, 2);
+        assert_eq!(s.cpu_used_pct, 100.0);
+        assert_eq!(s.mem_used, 7);
+        assert_eq!(s.disk_total, 0);
+        assert!(GuestSample::parse(b"not json", at(1)).is_none());
+        assert!(GuestSample::parse(br#"{"cpu_count": -1}"#, at(1)).is_none());
+    }
+
+    #[test]
+    fn the_ring_keeps_the_newest_samples_and_selects_by_time() {
+        let ring = MetricsRing::default();
+        for i in 0..(MAX_SAMPLES as u64 + 10) {
+            ring.push(GuestSample {
+                at_unix_ms: i * 1000,
+                ..Default::default()
+            });
+        }
+        assert_eq!(ring.between(0, u64::MAX / 1000).len(), MAX_SAMPLES);
+        assert_eq!(ring.between(0, 9).len(), 0, "the oldest were dropped");
+        let some = ring.between(20, 22);
+        assert_eq!(
+            some.iter().map(|s| s.at_unix_ms).collect::<Vec<_>>(),
+            vec![20_000, 21_000, 22_000]
+        );
+        assert_eq!(
+            ring.latest().unwrap().at_unix_ms,
+            (MAX_SAMPLES as u64 + 9) * 1000
+        );
+    }
+}
