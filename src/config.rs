@@ -255,7 +255,9 @@ pub struct NetworkConfig {
     pub pool_max: u32,
     pub outbound: bool,
     pub outbound_denied_cidrs: Vec<String>,
-    /// Empty: taken from the host's resolv.conf (network.md §5.5).
+    /// Exceptions to `outbound_denied_cidrs` (never the host or veth ranges).
+    pub outbound_allowed_cidrs: Vec<String>,
+    /// The DNS forwarder's upstream; empty: the host's resolv.conf (network.md §5.5).
     #[serde(default)]
     pub dns: String,
 }
@@ -394,6 +396,11 @@ impl Cidr {
     /// The network address plus `offset`.
     pub fn nth(&self, offset: u32) -> Ipv4Addr {
         Ipv4Addr::from(u32::from(self.network()).wrapping_add(offset))
+    }
+
+    /// Whether `ip` lies in this network.
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & self.mask() == u32::from(self.addr) & self.mask()
     }
 
     pub fn overlaps(&self, other: &Cidr) -> bool {
@@ -599,6 +606,7 @@ impl Config {
                 );
             }
         }
+        validate_allowed(n, host, veth)?;
         if !n.dns.is_empty() && n.dns.parse::<Ipv4Addr>().is_err() {
             return invalid("network.dns", format!("{:?} is not an IPv4 address", n.dns));
         }
@@ -685,6 +693,27 @@ impl Config {
 }
 
 /// API key rule of api.md §1.2: 32–256 characters from `[A-Za-z0-9._~-]`.
+/// `outbound_allowed_cidrs`: IPv4 CIDRs that open nothing of the host interaction, veth
+/// or guest ranges.
+fn validate_allowed(n: &NetworkConfig, host: Cidr, veth: Cidr) -> Result<(), ConfigError> {
+    let guest = Cidr::parse("169.254.0.20/30").expect("constant");
+    for c in &n.outbound_allowed_cidrs {
+        let message = match Cidr::parse(c) {
+            None => format!("{c:?} is not an IPv4 CIDR"),
+            Some(a) if a.overlaps(&host) || a.overlaps(&veth) || a.overlaps(&guest) => format!(
+                "{c:?} overlaps host_interaction_cidr, veth_cidr or 169.254.0.20/30, which \
+                 guests may never reach"
+            ),
+            Some(_) => continue,
+        };
+        return Err(ConfigError::Invalid {
+            key: "network.outbound_allowed_cidrs",
+            message,
+        });
+    }
+    Ok(())
+}
+
 pub fn validate_api_key(key: &str) -> Result<(), String> {
     let ok_chars = key
         .bytes()

@@ -1,42 +1,69 @@
 //! nftables rulesets: the per-slot table `ip agentenv` (network.md §5.1) and the root
 //! table `inet agentenv` (§5.2, §5.4). Pure text generation; loading is in `host`.
 
-use super::layout::{SlotLayout, GUEST_IP, LINK_PREFIX, TAP_NAME, VETH_NS_NAME};
+use super::layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, LINK_PREFIX, TAP_NAME, VETH_NS_NAME};
 use crate::config::{Cidr, NetworkConfig};
 use std::fmt::Write;
-use std::net::Ipv4Addr;
 
 /// What the rulesets depend on, derived once from the config.
 #[derive(Debug, Clone)]
 pub(crate) struct FirewallPolicy {
     pub outbound: bool,
     pub host_cidr: Cidr,
-    /// Denied destinations for outbound traffic, minimal (no CIDR inside another).
+    /// Never reachable from a guest, whatever any allow list says: the host interaction
+    /// and veth ranges (other sandboxes and the host's slot ends).
+    pub always_denied: Vec<Cidr>,
+    /// `outbound_denied_cidrs` (with the ranges above), minimal (no CIDR inside another).
     pub denied: Vec<Cidr>,
-    pub dns: Option<Ipv4Addr>,
+    /// `outbound_allowed_cidrs`: the operator's exceptions to `denied`.
+    pub allowed: Vec<Cidr>,
+    /// The DNS forwarder's UDP port in the root namespace (§5.5), when it runs.
+    pub dns_port: Option<u16>,
 }
 
 impl FirewallPolicy {
     pub fn from_config(cfg: &NetworkConfig) -> FirewallPolicy {
-        let mut all: Vec<Cidr> = cfg
-            .outbound_denied_cidrs
-            .iter()
-            .filter_map(|c| Cidr::parse(c))
-            .collect();
-        all.push(cfg.host_cidr());
-        all.push(cfg.veth_cidr());
+        let parse =
+            |v: &[String]| -> Vec<Cidr> { v.iter().filter_map(|c| Cidr::parse(c)).collect() };
+        let always = minimal_cidrs(vec![cfg.host_cidr(), cfg.veth_cidr()]);
+        let mut all = parse(&cfg.outbound_denied_cidrs);
+        all.extend(always.iter().copied());
         FirewallPolicy {
             outbound: cfg.outbound,
             host_cidr: cfg.host_cidr(),
+            always_denied: always,
             denied: minimal_cidrs(all),
-            dns: guest_dns(cfg),
+            allowed: minimal_cidrs(parse(&cfg.outbound_allowed_cidrs)),
+            dns_port: None,
         }
     }
 
-    fn denied_set(&self) -> String {
-        let items: Vec<String> = self.denied.iter().map(|c| c.to_string()).collect();
-        format!("{{ {} }}", items.join(", "))
+    /// The outbound rules after `from` (a match on the guest's new connections): the
+    /// always-denied ranges, the denied ones unless allowed, then accept.
+    fn outbound_rules(&self, s: &mut String, from: &str) {
+        let _ = writeln!(
+            s,
+            "\t\t{from} ip daddr {} drop",
+            set_of(&self.always_denied)
+        );
+        if self.allowed.is_empty() {
+            let _ = writeln!(s, "\t\t{from} ip daddr {} drop", set_of(&self.denied));
+        } else {
+            let _ = writeln!(
+                s,
+                "\t\t{from} ip daddr != {} ip daddr {} drop",
+                set_of(&self.allowed),
+                set_of(&self.denied)
+            );
+        }
+        let _ = writeln!(s, "\t\t{from} accept");
     }
+}
+
+/// An anonymous nft set of CIDRs.
+fn set_of(v: &[Cidr]) -> String {
+    let items: Vec<String> = v.iter().map(|c| c.to_string()).collect();
+    format!("{{ {} }}", items.join(", "))
 }
 
 /// Drops every CIDR contained in another one: nftables refuses overlapping intervals in
@@ -53,31 +80,17 @@ fn minimal_cidrs(mut v: Vec<Cidr>) -> Vec<Cidr> {
     out
 }
 
-/// The resolver given to guests (§5.5): `[network] dns`, else the first non-loopback
-/// `nameserver` of `/run/systemd/resolve/resolv.conf`, else of `/etc/resolv.conf`.
-pub fn guest_dns(cfg: &NetworkConfig) -> Option<Ipv4Addr> {
-    if !cfg.dns.is_empty() {
-        return cfg.dns.parse().ok();
-    }
-    ["/run/systemd/resolve/resolv.conf", "/etc/resolv.conf"]
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(p).ok())
-        .find_map(|text| first_nameserver(&text))
-}
-
-fn first_nameserver(text: &str) -> Option<Ipv4Addr> {
-    text.lines().find_map(|l| {
-        let mut w = l.split_whitespace();
-        (w.next() == Some("nameserver"))
-            .then(|| w.next()?.parse::<Ipv4Addr>().ok())
-            .flatten()
-            .filter(|a| !a.is_loopback())
-    })
-}
-
 /// The slot's table, loaded inside its namespace.
 pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
     let host = l.host_ip;
+    let link = l.link_addr;
+    // The guest's queries to its gateway go to the forwarder at the host end (§5.5).
+    let dns_dnat = match (p.outbound, p.dns_port) {
+        (true, Some(port)) => format!(
+            "\t\tiifname \"{TAP_NAME}\" ip daddr {GUEST_GATEWAY} udp dport 53 dnat to {link}:{port}\n"
+        ),
+        _ => String::new(),
+    };
     let mut s = String::new();
     let _ = write!(
         s,
@@ -85,6 +98,7 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
          \tchain prerouting {{\n\
          \t\ttype nat hook prerouting priority dstnat; policy accept;\n\
          \t\tiifname \"{VETH_NS_NAME}\" ip daddr {host} dnat to {GUEST_IP}\n\
+         {dns_dnat}\
          \t}}\n\
          \tchain postrouting {{\n\
          \t\ttype nat hook postrouting priority srcnat; policy accept;\n\
@@ -98,17 +112,14 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
          \t\ttype filter hook forward priority filter; policy drop;\n\
          \t\tct state established,related accept\n\
          \t\tiifname \"{TAP_NAME}\" ip saddr != {GUEST_IP} drop\n\
-         \t\tiifname \"{VETH_NS_NAME}\" oifname \"{TAP_NAME}\" ct state new ip saddr {} ip daddr {GUEST_IP} accept\n",
-        l.link_addr
+         \t\tiifname \"{VETH_NS_NAME}\" oifname \"{TAP_NAME}\" ct state new ip saddr {link} ip daddr {GUEST_IP} accept\n"
     );
     if p.outbound {
         let from = format!("iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new");
-        if let Some(dns) = p.dns {
-            let _ = writeln!(s, "\t\t{from} ip daddr {dns} udp dport 53 accept");
-            let _ = writeln!(s, "\t\t{from} ip daddr {dns} tcp dport 53 accept");
+        if let Some(port) = p.dns_port {
+            let _ = writeln!(s, "\t\t{from} ip daddr {link} udp dport {port} accept");
         }
-        let _ = writeln!(s, "\t\t{from} ip daddr {} drop", p.denied_set());
-        let _ = writeln!(s, "\t\t{from} accept");
+        p.outbound_rules(&mut s, &from);
     }
     s.push_str("\t}\n}\n");
     s
@@ -118,12 +129,23 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
 pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
     let a = format!("\"{LINK_PREFIX}*\"");
     let mut s = String::from("table inet agentenv\ndelete table inet agentenv\n");
+    // Guests reach the DNS forwarder (§5.5) and nothing else of the host; nobody else
+    // reaches the forwarder.
+    let dns_in = match (p.outbound, p.dns_port) {
+        (true, Some(port)) => format!(
+            "\t\tiifname {a} ip saddr {} udp dport {port} accept\n\
+             \t\tudp dport {port} drop\n",
+            p.host_cidr
+        ),
+        _ => String::new(),
+    };
     let _ = write!(
         s,
         "table inet agentenv {{\n\
          \tchain input {{\n\
          \t\ttype filter hook input priority filter; policy accept;\n\
          \t\tiifname {a} ct state established,related accept\n\
+         {dns_in}\
          \t\tiifname {a} drop\n\
          \t}}\n\
          \tchain forward {{\n\
@@ -135,12 +157,7 @@ pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
     if p.outbound {
         let _ = writeln!(s, "\t\tiifname {a} ct state established,related accept");
         let _ = writeln!(s, "\t\tiifname {a} meta nfproto ipv6 drop");
-        if let Some(dns) = p.dns {
-            let _ = writeln!(s, "\t\tiifname {a} ip daddr {dns} udp dport 53 accept");
-            let _ = writeln!(s, "\t\tiifname {a} ip daddr {dns} tcp dport 53 accept");
-        }
-        let _ = writeln!(s, "\t\tiifname {a} ip daddr {} drop", p.denied_set());
-        let _ = writeln!(s, "\t\tiifname {a} accept");
+        p.outbound_rules(&mut s, &format!("iifname {a}"));
     } else {
         let _ = writeln!(s, "\t\tiifname {a} drop");
     }
@@ -173,7 +190,7 @@ mod tests {
             .network;
         let mut p = FirewallPolicy::from_config(&cfg);
         p.outbound = outbound;
-        p.dns = Some(Ipv4Addr::new(10, 0, 0, 2));
+        p.dns_port = Some(5300);
         p
     }
 
@@ -185,6 +202,8 @@ mod tests {
         assert!(d.contains(&"198.18.0.0/15".to_string()), "{d:?}");
         assert!(!d.contains(&"198.18.0.0/16".to_string()), "{d:?}");
         assert_eq!(d.len(), 9, "{d:?}");
+        let a: Vec<String> = p.always_denied.iter().map(|c| c.to_string()).collect();
+        assert_eq!(a, ["198.18.0.0/16", "198.19.0.0/16"]);
     }
 
     #[test]
@@ -197,9 +216,23 @@ mod tests {
         assert!(off.contains("snat to 198.18.0.7"));
         assert!(off.contains("ip saddr 198.19.0.14 ip daddr 169.254.0.21 accept"));
         assert!(!off.contains("oifname \"veth0\" ct state new accept"));
+        assert!(!off.contains("dport 53"));
         let on = slot_ruleset(&l, &policy(true));
-        assert!(on.contains("ip daddr 10.0.0.2 udp dport 53 accept"));
+        assert!(on.contains(
+            "iifname \"tap0\" ip daddr 169.254.0.22 udp dport 53 dnat to 198.19.0.14:5300"
+        ));
+        assert!(on.contains("ct state new ip daddr 198.19.0.14 udp dport 5300 accept"));
+        assert!(on.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } drop"));
         assert!(on.contains("iifname \"tap0\" oifname \"veth0\" ct state new accept"));
+    }
+
+    #[test]
+    fn operator_allow_list_is_an_exception_to_the_denied_ranges_only() {
+        let mut p = policy(true);
+        p.allowed = vec![Cidr::parse("10.1.0.0/16").unwrap()];
+        let root = root_ruleset(&p);
+        assert!(root.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } drop"));
+        assert!(root.contains("ip daddr != { 10.1.0.0/16 } ip daddr { 10.0.0.0/8,"));
     }
 
     #[test]
@@ -207,14 +240,10 @@ mod tests {
         let off = root_ruleset(&policy(false));
         assert!(off.starts_with("table inet agentenv\ndelete table inet agentenv\n"));
         assert!(!off.contains("masquerade"));
+        assert!(!off.contains("5300"));
         let on = root_ruleset(&policy(true));
         assert!(on.contains("ip saddr 198.18.0.0/16 oifname != \"aenv-*\" masquerade"));
-    }
-
-    #[test]
-    fn nameserver_parsing_skips_loopback() {
-        let t = "# c\nnameserver 127.0.0.53\nnameserver 192.0.2.1\n";
-        assert_eq!(first_nameserver(t), Some(Ipv4Addr::new(192, 0, 2, 1)));
-        assert_eq!(first_nameserver("search x\n"), None);
+        assert!(on.contains("iifname \"aenv-*\" ip saddr 198.18.0.0/16 udp dport 5300 accept"));
+        assert!(on.contains("\t\tudp dport 5300 drop\n\t\tiifname \"aenv-*\" drop"));
     }
 }

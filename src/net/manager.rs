@@ -1,6 +1,7 @@
 //! The slot manager: index allocation, warm pool with its filler thread, release checks
 //! and background destruction on a janitor thread, startup reclaim, shutdown (§4, §6).
 
+use super::dns::{upstream_resolvers, DnsForwarder};
 use super::firewall::{root_ruleset, FirewallPolicy, ROOT_REMOVE};
 use super::host::{NetHost, RealHost};
 use super::layout::SlotLayout;
@@ -10,6 +11,7 @@ use crate::config::{Cidr, NetworkConfig};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -201,9 +203,26 @@ impl Shared {
     }
 }
 
+/// The DNS forwarder when guests may reach out and the host names a resolver.
+fn start_dns(cfg: &NetworkConfig) -> Result<Option<DnsForwarder>, NetError> {
+    let resolvers = upstream_resolvers(cfg);
+    if !cfg.outbound || resolvers.is_empty() {
+        return Ok(None);
+    }
+    let to: Vec<SocketAddr> = resolvers
+        .iter()
+        .map(|ip| SocketAddr::from((*ip, 53)))
+        .collect();
+    DnsForwarder::start(&to, cfg.host_cidr())
+        .map(Some)
+        .map_err(|e| NetError::Sys(crate::sys::SysError::from_io("bind the DNS forwarder", e)))
+}
+
 /// Owns every network slot of the server.
 pub struct SlotManager {
     shared: Arc<Shared>,
+    /// The guests' DNS forwarder (§5.5), with `outbound` and a resolver to forward to.
+    dns: Mutex<Option<DnsForwarder>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     shut_down: Mutex<bool>,
 }
@@ -223,6 +242,9 @@ impl SlotManager {
     ) -> Result<Arc<SlotManager>, NetError> {
         host.ensure_netns_dir(&cfg.netns_dir)?;
         let (tx, rx) = crossbeam_channel::unbounded();
+        let mut policy = FirewallPolicy::from_config(cfg);
+        let dns = start_dns(cfg)?;
+        policy.dns_port = dns.as_ref().map(|d| d.port());
         let mut used = vec![false; cfg.max_slots as usize + 1];
         used[0] = true;
         let kept: Vec<u32> = keep
@@ -241,7 +263,7 @@ impl SlotManager {
             max_slots: cfg.max_slots,
             pool_min: cfg.pool_min as usize,
             pool_max: cfg.pool_max as usize,
-            policy: FirewallPolicy::from_config(cfg),
+            policy,
             state: Mutex::new(State {
                 used,
                 kept,
@@ -283,6 +305,7 @@ impl SlotManager {
         );
         Ok(Arc::new(SlotManager {
             shared,
+            dns: Mutex::new(dns),
             threads: Mutex::new(threads),
             shut_down: Mutex::new(false),
         }))
@@ -368,6 +391,9 @@ impl SlotManager {
         let n = pooled.len();
         for parts in pooled {
             sh.destroy(parts);
+        }
+        if let Some(mut d) = self.dns.lock().take() {
+            d.stop();
         }
         if let Err(e) = sh.host.load_ruleset(None, ROOT_REMOVE) {
             log::error!("op=net_shutdown error=\"cannot remove table inet agentenv: {e}\"");

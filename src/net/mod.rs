@@ -5,6 +5,7 @@
 //! Entry point: [`SlotManager`]. Host calls go through the [`host::NetHost`] trait so the
 //! rollback paths are tested with a recording fake.
 
+pub mod dns;
 mod firewall;
 mod host;
 mod layout;
@@ -14,7 +15,6 @@ mod slot;
 #[cfg(test)]
 mod real_tests;
 
-pub use firewall::guest_dns;
 pub use layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, TAP_MAC, TAP_NAME};
 pub use manager::{SlotManager, SlotStats};
 #[cfg(test)]
@@ -65,6 +65,12 @@ impl std::error::Error for NetError {
             _ => None,
         }
     }
+}
+
+/// The resolver a fresh guest is given (its `/etc/resolv.conf`): the DNS forwarder on
+/// its gateway when guests may reach out and the host names a resolver (network.md §5.5).
+pub fn guest_dns(cfg: &crate::config::NetworkConfig) -> Option<std::net::Ipv4Addr> {
+    (cfg.outbound && !dns::upstream_resolvers(cfg).is_empty()).then_some(GUEST_GATEWAY)
 }
 
 impl From<SysError> for NetError {
