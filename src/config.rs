@@ -62,12 +62,17 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdmissionConfig {
-    /// 0 = host RAM minus `reserved_memory_mb`.
+    /// A cap on the nominal memory of all running VMs; 0 = none.
     pub max_memory_mb: u64,
+    /// Host memory (MemAvailable) a start must leave.
     pub reserved_memory_mb: u64,
-    /// 0 = `vcpu_overcommit` × host CPUs.
+    /// 0 = `vcpu_overcommit` × host CPUs, both 0 = no cap.
     pub max_vcpus: u64,
     pub vcpu_overcommit: u32,
+    /// Memory a new VM touches as it starts (at most its own size).
+    pub vm_startup_mb: u64,
+    /// Starts refused while PSI "some avg10" of memory exceeds it; 0 = not checked.
+    pub max_memory_pressure_pct: f64,
 }
 
 /// `[templates]`: builds of templates from images (api.md §4.15).
@@ -687,6 +692,24 @@ impl Config {
         }
         if self.agent.max_concurrent_commands == 0 {
             return invalid("agent.max_concurrent_commands", "must be at least 1".into());
+        }
+        self.admission.validate()
+    }
+}
+
+impl AdmissionConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let p = self.max_memory_pressure_pct;
+        if !(p.is_finite() && (0.0..=100.0).contains(&p)) {
+            return invalid(
+                "admission.max_memory_pressure_pct",
+                "must be within 0..=100 (0 = not checked)".into(),
+            );
+        }
+        if self.vm_startup_mb > 65_536 {
+            return invalid("admission.vm_startup_mb", "must be at most 65536".into());
         }
         Ok(())
     }

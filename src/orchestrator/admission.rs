@@ -1,83 +1,179 @@
-//! Admission control: the memory and vCPUs of every running VM (sandboxes and template
-//! build sandboxes) stay within `[admission]` bounds (docs/configuration.md).
+//! Admission control: a VM (sandbox or template build) starts only while the host has the
+//! memory headroom for it, and within the operator's caps (docs/configuration.md).
+//!
+//! Idle guests touch a small part of their nominal memory (~28 MiB of 256, docs/
+//! performance.md), so summing nominal sizes would turn a host that holds hundreds into
+//! one that holds a few dozen. The headroom check instead reads what the kernel says can
+//! still be allocated (`MemAvailable`) and its memory pressure (PSI): a start needs
+//! `reserved_memory_mb` kept for the host plus `vm_startup_mb` for itself (less for a
+//! smaller VM), counting what starts of the last few seconds have not touched yet. The
+//! nominal sums stay as operator caps (`max_memory_mb`, `max_vcpus`, `vcpu_overcommit`).
 //!
 //! A VM's [`Reservation`] is taken in `supervisor::start` before its supervisor thread
 //! exists and lives on that thread, so it is given back exactly when the VM is gone
 //! (delete, pause, crash, failed start), whatever path ended it.
 
 use super::error::OrchError;
+use super::sides::HostMemory;
 use crate::config::AdmissionConfig;
 use parking_lot::Mutex;
+use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a new VM counts as not yet having touched its startup memory.
+const SETTLE: Duration = Duration::from_secs(5);
 
 /// What running VMs hold now, and the bounds.
-#[derive(Debug)]
 pub(crate) struct Admission {
     limits: Limits,
+    headroom: Option<(Headroom, Arc<dyn HostMemory>)>,
     used: Mutex<Usage>,
 }
 
+/// The operator's caps on nominal sums; `None` = no cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Limits {
-    pub memory_mb: u64,
-    pub vcpus: u64,
+    pub memory_mb: Option<u64>,
+    pub vcpus: Option<u64>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+/// What a start needs of the host's real memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Headroom {
+    pub reserve_mb: u64,
+    pub startup_mb: u64,
+    /// 0 = pressure not checked.
+    pub max_pressure_pct: f64,
+}
+
+#[derive(Debug, Default)]
 struct Usage {
     memory_mb: u64,
     vcpus: u64,
+    /// Starts within [`SETTLE`], with the startup memory each counts for.
+    settling: VecDeque<(Instant, u64)>,
 }
 
 impl Limits {
-    /// The configured bounds; 0 means "from the host": its RAM minus the reserve, and
-    /// `vcpu_overcommit` × its CPUs.
-    pub fn from_config(cfg: &AdmissionConfig, host_memory_mb: u64, host_cpus: u32) -> Limits {
-        let memory_mb = match cfg.max_memory_mb {
-            0 => host_memory_mb
-                .saturating_sub(cfg.reserved_memory_mb)
-                .max(128),
-            n => n,
+    /// The configured caps: `max_memory_mb` (0 = none), `max_vcpus`, else
+    /// `vcpu_overcommit` × the host's CPUs (both 0 = none).
+    pub fn from_config(cfg: &AdmissionConfig, host_cpus: u32) -> Limits {
+        let vcpus = match (cfg.max_vcpus, cfg.vcpu_overcommit) {
+            (0, 0) => None,
+            (0, over) => Some(u64::from(host_cpus) * u64::from(over)),
+            (n, _) => Some(n),
         };
-        let vcpus = match cfg.max_vcpus {
-            0 => u64::from(host_cpus) * u64::from(cfg.vcpu_overcommit),
-            n => n,
-        };
-        Limits { memory_mb, vcpus }
+        Limits {
+            memory_mb: (cfg.max_memory_mb > 0).then_some(cfg.max_memory_mb),
+            vcpus,
+        }
+    }
+}
+
+impl Headroom {
+    pub fn from_config(cfg: &AdmissionConfig) -> Headroom {
+        Headroom {
+            reserve_mb: cfg.reserved_memory_mb,
+            startup_mb: cfg.vm_startup_mb,
+            max_pressure_pct: cfg.max_memory_pressure_pct,
+        }
     }
 }
 
 impl Admission {
+    /// Caps only, no look at the host (unit tests).
+    #[cfg(test)]
     pub fn new(limits: Limits) -> Arc<Admission> {
         Arc::new(Admission {
             limits,
+            headroom: None,
             used: Mutex::new(Usage::default()),
         })
     }
 
-    /// Reserves a VM's memory and vCPUs, or says (429) which one is exhausted.
+    /// Caps and the host's headroom.
+    pub fn with_host(
+        limits: Limits,
+        headroom: Headroom,
+        host: Arc<dyn HostMemory>,
+    ) -> Arc<Admission> {
+        Arc::new(Admission {
+            limits,
+            headroom: Some((headroom, host)),
+            used: Mutex::new(Usage::default()),
+        })
+    }
+
+    /// Reserves a VM's memory and vCPUs, or says (429) what is exhausted.
     pub fn reserve(self: &Arc<Self>, memory_mb: u32, vcpus: u32) -> Result<Reservation, OrchError> {
         let (memory_mb, vcpus) = (u64::from(memory_mb), u64::from(vcpus));
         let mut used = self.used.lock();
-        if used.memory_mb + memory_mb > self.limits.memory_mb {
-            return Err(OrchError::TooMany(format!(
-                "not enough memory for another VM: {} of {} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
-                used.memory_mb, self.limits.memory_mb
-            )));
-        }
-        if used.vcpus + vcpus > self.limits.vcpus {
-            return Err(OrchError::TooMany(format!(
-                "not enough vCPUs for another VM: {} of {} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus); pause or delete a sandbox",
-                used.vcpus, self.limits.vcpus
-            )));
-        }
+        self.check_caps(&used, memory_mb, vcpus)?;
+        let startup = self.check_headroom(&mut used, memory_mb)?;
         used.memory_mb += memory_mb;
         used.vcpus += vcpus;
+        used.settling.push_back((Instant::now(), startup));
         Ok(Reservation {
             admission: self.clone(),
             memory_mb,
             vcpus,
         })
+    }
+
+    fn check_caps(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), OrchError> {
+        if let Some(limit) = self
+            .limits
+            .memory_mb
+            .filter(|l| used.memory_mb + memory_mb > *l)
+        {
+            return Err(OrchError::TooMany(format!(
+                "not enough memory for another VM: {} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
+                used.memory_mb
+            )));
+        }
+        if let Some(limit) = self.limits.vcpus.filter(|l| used.vcpus + vcpus > *l) {
+            return Err(OrchError::TooMany(format!(
+                "not enough vCPUs for another VM: {} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox",
+                used.vcpus
+            )));
+        }
+        Ok(())
+    }
+
+    /// The startup memory this VM counts for while it settles; 429 when the host lacks
+    /// it. Unknown host figures admit (a host without /proc/meminfo has the caps only).
+    fn check_headroom(&self, used: &mut Usage, memory_mb: u64) -> Result<u64, OrchError> {
+        let Some((room, host)) = &self.headroom else {
+            return Ok(0);
+        };
+        let startup = room.startup_mb.min(memory_mb);
+        let now = Instant::now();
+        while used
+            .settling
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) >= SETTLE)
+        {
+            used.settling.pop_front();
+        }
+        let settling: u64 = used.settling.iter().map(|(_, mb)| mb).sum();
+        if let Some(available) = host.available_mb() {
+            if available < room.reserve_mb + startup + settling {
+                return Err(OrchError::TooMany(format!(
+                    "not enough free host memory for another VM: {available} MiB available (MemAvailable), {} MiB kept for the host ([admission] reserved_memory_mb), {startup} MiB needed to start it and {settling} MiB by VMs still starting; pause or delete a sandbox, or lower the reserve",
+                    room.reserve_mb
+                )));
+            }
+        }
+        if room.max_pressure_pct > 0.0 {
+            if let Some(p) = host.pressure_pct().filter(|p| *p > room.max_pressure_pct) {
+                return Err(OrchError::TooMany(format!(
+                    "host memory under pressure: tasks stalled on memory {p:.1}% of the last 10 s, above {}% ([admission] max_memory_pressure_pct); pause or delete a sandbox",
+                    room.max_pressure_pct
+                )));
+            }
+        }
+        Ok(startup)
     }
 
     /// (memory MiB, vCPUs) in use now.
@@ -86,22 +182,38 @@ impl Admission {
         (used.memory_mb, used.vcpus)
     }
 
-    /// `agentenv_admission_memory_mb` and `agentenv_admission_vcpus`: what running VMs
-    /// reserved and the bounds (api.md §4.19).
+    /// `agentenv_admission_memory_mb`, `agentenv_admission_vcpus` (what running VMs
+    /// reserved, and the caps when set) and `agentenv_host_memory_mb` (available, and the
+    /// reserve), api.md §4.19.
     pub fn render_metrics(&self, out: &mut String) {
         let (memory, vcpus) = self.in_use();
+        let with_limit = |v: u64, limit: Option<u64>| {
+            let mut series = vec![("reserved", v)];
+            series.extend(limit.map(|l| ("limit", l)));
+            series
+        };
         super::metrics::render_state_gauge(
             out,
             "agentenv_admission_memory_mb",
-            "Memory (MiB) reserved by running VMs, and the admission limit.",
-            &[("reserved", memory), ("limit", self.limits.memory_mb)],
+            "Memory (MiB) reserved by running VMs (nominal), and the operator's cap when set.",
+            &with_limit(memory, self.limits.memory_mb),
         );
         super::metrics::render_state_gauge(
             out,
             "agentenv_admission_vcpus",
-            "vCPUs reserved by running VMs, and the admission limit.",
-            &[("reserved", vcpus), ("limit", self.limits.vcpus)],
+            "vCPUs reserved by running VMs, and the operator's cap when set.",
+            &with_limit(vcpus, self.limits.vcpus),
         );
+        if let Some((room, host)) = &self.headroom {
+            let mut series = vec![("reserve", room.reserve_mb)];
+            series.extend(host.available_mb().map(|a| ("available", a)));
+            super::metrics::render_state_gauge(
+                out,
+                "agentenv_host_memory_mb",
+                "Host memory (MiB) the kernel can still allocate (MemAvailable), and the reserve admission keeps.",
+                &series,
+            );
+        }
     }
 }
 
@@ -111,6 +223,15 @@ pub(crate) struct Reservation {
     admission: Arc<Admission>,
     memory_mb: u64,
     vcpus: u64,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("limits", &self.limits)
+            .field("used", &self.in_use())
+            .finish()
+    }
 }
 
 impl Drop for Reservation {
@@ -124,13 +245,30 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A host whose available memory and pressure the test sets.
+    struct FakeHost {
+        available: AtomicU64,
+        pressure_tenths: AtomicU64,
+    }
+
+    impl HostMemory for FakeHost {
+        fn available_mb(&self) -> Option<u64> {
+            Some(self.available.load(Ordering::SeqCst))
+        }
+        fn pressure_pct(&self) -> Option<f64> {
+            Some(self.pressure_tenths.load(Ordering::SeqCst) as f64 / 10.0)
+        }
+    }
+
+    fn caps(memory_mb: Option<u64>, vcpus: Option<u64>) -> Limits {
+        Limits { memory_mb, vcpus }
+    }
 
     #[test]
-    fn reservations_are_bounded_and_given_back() {
-        let a = Admission::new(Limits {
-            memory_mb: 1024,
-            vcpus: 2,
-        });
+    fn caps_are_bounded_and_given_back() {
+        let a = Admission::new(caps(Some(1024), Some(2)));
         let first = a.reserve(512, 1).unwrap();
         let second = a.reserve(512, 1).unwrap();
         let e = a.reserve(1, 1).unwrap_err();
@@ -150,32 +288,68 @@ mod tests {
     }
 
     #[test]
-    fn defaults_come_from_the_host() {
+    fn no_caps_by_default_and_the_operator_can_set_them() {
         let cfg = AdmissionConfig {
             max_memory_mb: 0,
             reserved_memory_mb: 1024,
             max_vcpus: 0,
-            vcpu_overcommit: 4,
+            vcpu_overcommit: 0,
+            vm_startup_mb: 64,
+            max_memory_pressure_pct: 20.0,
         };
-        let l = Limits::from_config(&cfg, 8192, 2);
-        assert_eq!(
-            l,
-            Limits {
-                memory_mb: 7168,
-                vcpus: 8
-            }
-        );
-        let cfg = AdmissionConfig {
+        assert_eq!(Limits::from_config(&cfg, 2), caps(None, None));
+        let over = AdmissionConfig {
+            vcpu_overcommit: 4,
+            ..cfg.clone()
+        };
+        assert_eq!(Limits::from_config(&over, 2), caps(None, Some(8)));
+        let set = AdmissionConfig {
             max_memory_mb: 300,
             max_vcpus: 1,
-            ..cfg
+            ..over
         };
-        assert_eq!(
-            Limits::from_config(&cfg, 8192, 2),
-            Limits {
-                memory_mb: 300,
-                vcpus: 1
-            }
+        assert_eq!(Limits::from_config(&set, 2), caps(Some(300), Some(1)));
+    }
+
+    #[test]
+    fn starts_need_the_reserve_plus_their_startup_memory_counting_recent_ones() {
+        let host = Arc::new(FakeHost {
+            available: AtomicU64::new(1024 + 200),
+            pressure_tenths: AtomicU64::new(0),
+        });
+        let room = Headroom {
+            reserve_mb: 1024,
+            startup_mb: 64,
+            max_pressure_pct: 20.0,
+        };
+        let a = Admission::with_host(caps(None, None), room, host.clone());
+        // 200 MiB over the reserve: three starts of 64 MiB fit, a fourth does not, as
+        // long as the first ones have not yet shown in MemAvailable.
+        let held: Vec<_> = (0..3).map(|_| a.reserve(256, 1).unwrap()).collect();
+        let e = a.reserve(256, 1).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::TooMany(m) if m.contains("MemAvailable") && m.contains("192 MiB by VMs still starting")),
+            "{e:?}"
         );
+        // A small VM needs only its own size.
+        let _small = a.reserve(8, 1).unwrap();
+        // Nominal sums are no limit: 4 × 256 MiB "reserved" on 1.2 GiB available.
+        assert_eq!(a.in_use().0, 3 * 256 + 8);
+        host.available.store(900, Ordering::SeqCst);
+        drop(held);
+        let e = a.reserve(8, 1).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::TooMany(m) if m.contains("900 MiB available")),
+            "below the reserve nothing starts: {e:?}"
+        );
+        host.available.store(100_000, Ordering::SeqCst);
+        host.pressure_tenths.store(255, Ordering::SeqCst);
+        let e = a.reserve(8, 1).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::TooMany(m) if m.contains("25.5%") && m.contains("max_memory_pressure_pct")),
+            "{e:?}"
+        );
+        host.pressure_tenths.store(10, Ordering::SeqCst);
+        assert!(a.reserve(8, 1).is_ok());
     }
 }

@@ -35,8 +35,8 @@ pub(super) struct Rig {
 impl Rig {
     pub(super) fn new() -> Rig {
         Rig::with(Limits {
-            memory_mb: 4096,
-            vcpus: 16,
+            memory_mb: Some(4096),
+            vcpus: Some(16),
         })
     }
 
@@ -183,8 +183,8 @@ const STOPPED: [&str; 2] = ["start-fresh sb-1", "stop sb-1 start-failed"];
 #[test]
 fn a_start_that_admission_refuses_never_reaches_the_extension() {
     let rig = Rig::with(Limits {
-        memory_mb: 64,
-        vcpus: 16,
+        memory_mb: Some(64),
+        vcpus: Some(16),
     });
     let e = rig.failed_start(rig.request("sb-1", true), &[]);
     assert!(
@@ -225,8 +225,8 @@ fn a_failed_start_hook_is_stopped_with_the_callers_reason_and_rolled_back() {
 fn a_supervisor_thread_that_cannot_spawn_sends_the_stop_hook_and_releases_everything() {
     let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));
     let limits = Limits {
-        memory_mb: 4096,
-        vcpus: 16,
+        memory_mb: Some(4096),
+        vcpus: Some(16),
     };
     let rig = Rig::build(limits, |l| l.spawn = no_threads);
     let e = rig.failed_start(rig.request("sb-1", true), &STOPPED);

@@ -160,11 +160,11 @@ impl Orchestrator {
                 log::warn!("op=recover path={} error={e}", build_dirs.display());
             }
         }
-        let admission = admission::Admission::new(admission::Limits::from_config(
-            &config.admission,
-            crate::sys::fs::total_memory_mb(),
-            crate::sys::fs::online_cpus(),
-        ));
+        let admission = admission::Admission::with_host(
+            admission::Limits::from_config(&config.admission, crate::sys::fs::online_cpus()),
+            admission::Headroom::from_config(&config.admission),
+            Arc::new(sides::ProcMemory),
+        );
         let launcher = Launcher::new(
             &config,
             slots,

@@ -1,5 +1,6 @@
 //! The orchestrator's view of the host, one trait per side: network slots
-//! ([`Network`]), the custom extension ([`Extension`]) and the VMs ([`Machines`]). The
+//! ([`Network`]), the custom extension ([`Extension`]), the VMs ([`Machines`]) and the
+//! host's memory ([`HostMemory`]). The
 //! server hands in the real ones ([`SlotManager`], [`HookClient`], QEMU through
 //! [`QemuMachines`]); unit tests hand in fakes, so every failure path of the lifecycle runs
 //! in `cargo test --lib` without root (youki's fakeable `Syscall` is the model).
@@ -206,5 +207,25 @@ impl Machine for Vm {
     }
     fn flatten_disk(&mut self, timeout: Duration) -> Result<(), VmError> {
         Vm::flatten_disk(self, timeout)
+    }
+}
+
+/// The host's memory as admission sees it ([`super::admission`]).
+pub(crate) trait HostMemory: Send + Sync {
+    /// What can be allocated without swapping (MiB); `None` when unknown.
+    fn available_mb(&self) -> Option<u64>;
+    /// The share (%) of the last 10 s some task stalled on memory; `None` without PSI.
+    fn pressure_pct(&self) -> Option<f64>;
+}
+
+/// The real host: `/proc/meminfo` and `/proc/pressure/memory`.
+pub(crate) struct ProcMemory;
+
+impl HostMemory for ProcMemory {
+    fn available_mb(&self) -> Option<u64> {
+        crate::sys::fs::available_memory_mb()
+    }
+    fn pressure_pct(&self) -> Option<f64> {
+        crate::sys::fs::memory_pressure_pct()
     }
 }

@@ -40,8 +40,8 @@ fn pooled(limits: Limits) -> Rig {
 
 fn roomy() -> Limits {
     Limits {
-        memory_mb: 4096,
-        vcpus: 16,
+        memory_mb: Some(4096),
+        vcpus: Some(16),
     }
 }
 
@@ -186,8 +186,8 @@ fn a_standby_whose_state_does_not_load_is_rolled_back() {
 fn a_start_admission_would_refuse_takes_the_share_of_a_standby() {
     // Room for one VM, which the standby holds.
     let rig = pooled(Limits {
-        memory_mb: 128,
-        vcpus: 16,
+        memory_mb: Some(128),
+        vcpus: Some(16),
     });
     rig.want();
     rig.wait_ready(1);

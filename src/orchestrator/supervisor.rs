@@ -756,8 +756,8 @@ mod tests {
         let slots = SlotManager::start_with(Arc::new(FakeHost::default()), &net, &[]).unwrap();
         let dir = std::env::temp_dir().join(format!("aenv-sup-{}", crate::util::new_id()));
         let admission = super::super::admission::Admission::new(super::super::admission::Limits {
-            memory_mb: 1024,
-            vcpus: 4,
+            memory_mb: Some(1024),
+            vcpus: Some(4),
         });
         let plan = StartPlan {
             id: "sandbox-1".into(),

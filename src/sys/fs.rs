@@ -131,6 +131,34 @@ pub fn total_memory_mb() -> u64 {
     (pages as u64 * size as u64) >> 20
 }
 
+/// `MemAvailable` of `/proc/meminfo` in MiB: what the kernel estimates can be allocated
+/// without swapping; `None` when unreadable.
+pub fn available_memory_mb() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&text)
+}
+
+fn parse_mem_available(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib >> 10)
+}
+
+/// The share (%) of the last 10 s in which some task stalled on memory
+/// (`/proc/pressure/memory`, "some avg10"); `None` without PSI.
+pub fn memory_pressure_pct() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/pressure/memory").ok()?;
+    parse_pressure_some_avg10(&text)
+}
+
+fn parse_pressure_some_avg10(text: &str) -> Option<f64> {
+    let line = text.lines().find(|l| l.starts_with("some "))?;
+    let field = line
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("avg10="))?;
+    field.parse::<f64>().ok().filter(|p| p.is_finite())
+}
+
 /// Sets the process's file mode creation mask (for every thread and child) and returns
 /// the previous one.
 pub fn set_umask(mask: u32) -> u32 {
@@ -182,4 +210,24 @@ pub fn send_with_fd(
             .map_err(|e| SysError::from_io("write to unix socket", e))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_and_pressure_are_parsed() {
+        let meminfo = "MemTotal:  24000000 kB\nMemFree:  100 kB\nMemAvailable:   2097152 kB\n";
+        assert_eq!(parse_mem_available(meminfo), Some(2048));
+        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
+        let psi =
+            "some avg10=12.50 avg60=1.00 avg300=0.00 total=5\nfull avg10=3.00 avg60=0 total=1\n";
+        assert_eq!(parse_pressure_some_avg10(psi), Some(12.5));
+        assert_eq!(parse_pressure_some_avg10("full avg10=1.0\n"), None);
+        assert!(
+            available_memory_mb().unwrap() > 0,
+            "this host has /proc/meminfo"
+        );
+    }
 }

@@ -1,0 +1,116 @@
+//! End-to-end: admission by the host's real memory headroom (issue 21, item 3). A server
+//! whose reserve leaves ~500 MiB of this host's MemAvailable admits sandboxes while their
+//! guests fill memory, and refuses the next create with a 429 naming MemAvailable before
+//! the host gets anywhere near running out; nominal sizes and vCPUs are no limit by default.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+
+/// `MemAvailable` of this host, MiB.
+fn available_mb() -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").expect("read /proc/meminfo");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .expect("MemAvailable in /proc/meminfo");
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        >> 10
+}
+
+/// What each admitted guest puts in its RAM (a tmpfs file), MiB.
+const FILL_MB: u64 = 100;
+/// Creates tried at most.
+const MAX_CREATES: usize = 12;
+
+#[test]
+fn creates_are_refused_while_the_host_still_has_its_reserve() {
+    let headroom = 500;
+    let reserve = available_mb()
+        .checked_sub(headroom)
+        .expect("this test needs more than 500 MiB of MemAvailable");
+    let s = Server::start(&format!(
+        "[admission]\nreserved_memory_mb = {reserve}\nvm_startup_mb = 64\n\
+         [templates]\nstandby_per_template = 0\n"
+    ));
+    build_template(&s, "base");
+    let mut admitted = Vec::new();
+    let mut lowest = u64::MAX;
+    let mut refusal = None;
+    for _ in 0..MAX_CREATES {
+        let (code, v) = s.call("POST", "/sandboxes", Some(json!({"templateID": "base"})));
+        if code == 429 {
+            refusal = Some(v);
+            break;
+        }
+        assert_eq!(code, 201, "{v}\n{}", s.log());
+        let id = id_of(&v);
+        sh(
+            &s,
+            &id,
+            &format!("dd if=/dev/zero of=/dev/shm/fill bs=1M count={FILL_MB}"),
+        );
+        admitted.push(id);
+        lowest = lowest.min(available_mb());
+    }
+    let refusal = refusal.unwrap_or_else(|| {
+        panic!(
+            "{MAX_CREATES} guests holding {FILL_MB} MiB each were admitted within {headroom} MiB"
+        )
+    });
+    let message = refusal["message"].as_str().unwrap();
+    assert!(
+        message.contains("MemAvailable") && message.contains("reserved_memory_mb"),
+        "{refusal}"
+    );
+    assert!(!admitted.is_empty(), "the first create fits: {refusal}");
+    // 256 MiB sandboxes, 1 vCPU each: by nominal sums nothing would have been refused.
+    assert!(
+        admitted.len() < (headroom / FILL_MB) as usize + 2,
+        "{} admitted within {headroom} MiB",
+        admitted.len()
+    );
+    // Each start was admitted with the reserve + 64 MiB free; its guest then took at
+    // most its 256 MiB (and QEMU's own few MiB), so the host kept most of the reserve.
+    assert!(
+        lowest + 320 >= reserve,
+        "MemAvailable fell to {lowest} MiB, reserve {reserve}"
+    );
+    let metrics = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "agentenv_host_memory_mb{{state=\"reserve\"}} {reserve}"
+        )),
+        "{metrics}"
+    );
+    for id in &admitted {
+        assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    }
+    // Room again once they are gone (their memory back to the host, and the last
+    // refused start settled).
+    let freed = wait_until(std::time::Duration::from_secs(30), || {
+        available_mb() >= reserve + 3 * 64
+    });
+    assert!(
+        freed,
+        "MemAvailable {} MiB after the deletes, reserve {reserve}",
+        available_mb()
+    );
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    let (code, v) = s.call("POST", "/sandboxes", Some(json!({"templateID": "base"})));
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(
+        s.call("DELETE", &format!("/sandboxes/{}", id_of(&v)), None)
+            .0,
+        204
+    );
+}
