@@ -1,14 +1,18 @@
 //! End-to-end: real distro images as guests. The Debian 12 test image
 //! (scripts/build-debian-image.sh, debootstrap, cached) goes through the local test
-//! registry into a cold-started sandbox.
+//! registry into a cold-started sandbox, which the python SDK then drives as E2B's
+//! default account `user` (tests/sdk/guest_user.py): provisioned at boot, with its own
+//! file permissions and passwordless sudo.
 
 mod common;
 
 use common::registry::{Auth, TestRegistry};
+use common::sdk::{finish, sdk_tools};
 use common::*;
 use serde_json::json;
 
-/// Debian 12 from the test registry cold-starts and runs its own python3.
+/// Debian 12 from the test registry cold-starts, runs its own python3, and is an E2B
+/// guest: the account `user`, sudo, the hostname in /etc/hosts, file permissions.
 #[test]
 fn debian_image_from_the_registry_runs_python() {
     let image = debian_image();
@@ -27,6 +31,25 @@ fn debian_image_from_the_registry_runs_python() {
     );
     assert_eq!(v["exitCode"], 0, "{v}");
     assert_eq!(v["stdout"], "12\n", "{v}");
+    // Provisioned in the guest at boot: the image itself has no `user`.
+    let v = server.exec(&id, "sh", &["-c", "getent passwd user; stat -c '%U %a' /home/user; cat /etc/sudoers.d/agentenv-user; grep -c \"$(hostname)\" /etc/hosts"]);
+    assert_eq!(
+        v["stdout"],
+        "user:x:1000:1000:user:/home/user:/bin/bash\nuser 755\nuser ALL=(ALL:ALL) NOPASSWD: ALL\n1\n",
+        "{v}"
+    );
+    let (python, _) = sdk_tools();
+    let script = format!("{}/tests/sdk/guest_user.py", env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(&script)
+        .env("E2B_API_URL", &server.base)
+        .env("E2B_SANDBOX_URL", &server.base)
+        .env("E2B_API_KEY", API_KEY)
+        .env("AENV_SANDBOX_ID", &id)
+        .env("PYTHONUNBUFFERED", "1")
+        .env_remove("E2B_DOMAIN");
+    let lines = finish(&server, &script, cmd);
+    println!("{}", lines.join("\n"));
     let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
     assert_eq!(status, 204);
 }

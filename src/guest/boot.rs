@@ -292,6 +292,9 @@ pub fn run_pid1() -> ! {
     }
     mount_api_filesystems();
     soft("setting hostname", sys::set_hostname(&cfg.hostname));
+    for problem in super::provision::provision(Path::new("/"), &cfg.hostname) {
+        say(&format!("{problem} (continuing)"));
+    }
     configure_network();
     if let Some(dns) = cfg.dns {
         write_resolv_conf(dns);

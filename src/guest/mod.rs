@@ -9,6 +9,7 @@ pub mod boot;
 pub mod envd;
 pub mod exec;
 pub mod files;
+pub mod provision;
 pub mod reaper;
 
 use std::collections::HashMap;

@@ -248,6 +248,39 @@ impl StepRunner<'_> {
     }
 }
 
+impl StepRunner<'_> {
+    /// Makes the build's final USER and WORKDIR the defaults of the guest's envd, which
+    /// the snapshot keeps: every sandbox of the template runs commands and resolves paths
+    /// as that user in that directory unless a call names its own (the sandboxes' own
+    /// `/init` sets only their env). The build's ENV is not handed over.
+    pub fn hand_over_defaults(&self) -> Result<(), StepFailure> {
+        let mut body = serde_json::json!({ "defaultUser": self.state.user() });
+        if let Some(dir) = &self.state.workdir {
+            body["defaultWorkdir"] = serde_json::json!(dir);
+        }
+        let timeout = READY_ATTEMPT.min(self.deadline.saturating_duration_since(Instant::now()));
+        let fail = |why: String| StepFailure {
+            step: FINALIZE_STEP.into(),
+            message: format!("setting the sandboxes' default user and workdir failed: {why}"),
+        };
+        match crate::envd::call(
+            self.addr,
+            "POST",
+            "/init",
+            "application/json",
+            body.to_string().as_bytes(),
+            timeout,
+        ) {
+            Ok((status, _)) if (200..300).contains(&status) => Ok(()),
+            Ok((status, answer)) => Err(fail(format!(
+                "status {status}: {}",
+                String::from_utf8_lossy(&answer)
+            ))),
+            Err(e) => Err(fail(e.to_string())),
+        }
+    }
+}
+
 /// The last bytes of a step's output (for its failure reason) and its partial line.
 #[derive(Default)]
 struct Tail {

@@ -789,7 +789,8 @@ fn build(
             .run_steps(&spec.steps, plan.hit, &copier, freeze)
             .and_then(|()| {
                 runner.start_and_wait_ready(spec.start_cmd.as_deref(), spec.ready_cmd.as_deref())
-            });
+            })
+            .and_then(|()| runner.hand_over_defaults());
         if let Err(f) = ran {
             stop_build();
             return Err(f.into());

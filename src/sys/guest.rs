@@ -644,6 +644,65 @@ pub fn add_default_route(gateway: Ipv4Addr) -> SysResult<()> {
     }
 }
 
+/// The calling thread acting on files as another account: its filesystem uid and gid
+/// (`setfsuid(2)`, `setfsgid(2)`) and supplementary groups, so the kernel checks every
+/// open, create and rename against that account's permissions (a nonzero fsuid drops
+/// the thread's CAP_DAC_OVERRIDE and friends) and new files belong to it. Per thread:
+/// the raw `setgroups` syscall, as glibc's wrapper would change every thread of the
+/// process. Dropping the guard gives the thread back root's identity.
+pub struct FsIdentity {
+    groups: Vec<libc::gid_t>,
+}
+
+fn thread_setgroups(groups: &[libc::gid_t]) -> SysResult<()> {
+    // SAFETY: the pointer and length describe `groups`, which outlives the call; the raw
+    // syscall changes only the calling thread's credentials.
+    let ret = unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) };
+    check(ret as libc::c_int, || "setgroups".to_string()).map(drop)
+}
+
+impl FsIdentity {
+    /// Takes on `uid`, `gid` and `groups` for file access on this thread (needs root).
+    pub fn assume(uid: u32, gid: u32, groups: &[u32]) -> SysResult<FsIdentity> {
+        // SAFETY: getgroups with size 0 only counts the groups.
+        let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+        let mut saved = vec![0; usize::try_from(check(n, || "getgroups".into())?).unwrap_or(0)];
+        // SAFETY: `saved` has room for `n` gids.
+        let n = unsafe { libc::getgroups(n, saved.as_mut_ptr()) };
+        saved.truncate(usize::try_from(check(n, || "getgroups".into())?).unwrap_or(0));
+        thread_setgroups(groups)?;
+        let guard = FsIdentity { groups: saved };
+        // SAFETY: setfsgid/setfsuid take plain ids and report the previous id; calling
+        // them again with the same id reads back the current one.
+        let (now_gid, now_uid) = unsafe {
+            libc::setfsgid(gid);
+            let g = libc::setfsgid(gid);
+            libc::setfsuid(uid);
+            (g, libc::setfsuid(uid))
+        };
+        if now_gid as u32 != gid || now_uid as u32 != uid {
+            return Err(SysError::from_errno(
+                format!("setfsuid {uid} / setfsgid {gid}"),
+                libc::EPERM,
+            ));
+        }
+        Ok(guard)
+    }
+}
+
+impl Drop for FsIdentity {
+    fn drop(&mut self) {
+        // SAFETY: as in `assume`; 0 is root, which this thread was before.
+        unsafe {
+            libc::setfsuid(0);
+            libc::setfsgid(0);
+        }
+        if let Err(e) = thread_setgroups(&self.groups) {
+            log::error!("restoring the envd thread's groups failed: {e}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,9 @@
 //! `?path=`, optionally `Content-Encoding: gzip`. Missing parent directories are created
 //! and owned by the caller's account, as is the file; the answer lists what was written
 //! as `[{"name", "type": "file", "path"}]`.
+//!
+//! Both act with the caller's own permissions ([`Envd::act_as`]): a path the account could
+//! not read or write from a shell is 403, as on E2B.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
@@ -94,6 +97,7 @@ pub fn download(envd: &Envd, req: Request, query_string: &str) {
     let params = parse_query(query_string);
     let opened = (|| {
         let user = transfer_user(envd, &req, &params)?;
+        let _acting = envd.act_as(&user)?;
         let path = envd.resolve(query(&params, "path").unwrap_or(""), &user)?;
         let shown = path.display();
         let meta = std::fs::metadata(&path).map_err(|e| match e.kind() {
@@ -143,13 +147,11 @@ pub fn download(envd: &Envd, req: Request, query_string: &str) {
 /// Writes one uploaded file from `copy`, which moves the bytes into the open file.
 fn write_file(
     path: &Path,
-    user: &User,
-    chown: bool,
     copy: &mut dyn FnMut(&mut File) -> Result<(), FileError>,
 ) -> Result<Value, FileError> {
     let shown = path.display();
     if let Some(parent) = path.parent() {
-        super::filesystem::ensure_dirs(parent, user, chown)?;
+        super::filesystem::ensure_dirs(parent)?;
     }
     if path.is_dir() {
         return Err(FileError::new(400, format!("path is a directory: {shown}")));
@@ -162,10 +164,6 @@ fn write_file(
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| FileError::new(io_status(&e), format!("error opening file {shown}: {e}")))?;
-    if chown {
-        std::os::unix::fs::fchown(&file, Some(user.uid), Some(user.gid))
-            .map_err(|e| FileError::new(500, format!("error changing owner of {shown}: {e}")))?;
-    }
     copy(&mut file)?;
     let name = path
         .file_name()
@@ -201,7 +199,10 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
         Ok(u) => u,
         Err(e) => return e.respond(req),
     };
-    let chown = envd.switch_users;
+    let _acting = match envd.act_as(&user) {
+        Ok(a) => a,
+        Err(e) => return FileError::from(e).respond(req),
+    };
     let path_param = query(&params, "path").filter(|p| !p.is_empty());
     let result = (|| {
         let raw: Box<dyn Read + '_> = match encoding.as_str() {
@@ -224,7 +225,7 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
             };
             let path = envd.resolve(p, &user)?;
             let mut raw = raw;
-            let entry = write_file(&path, &user, chown, &mut |f| {
+            let entry = write_file(&path, &mut |f| {
                 io::copy(&mut raw, f).map(drop).map_err(copy_error)
             })?;
             return Ok(vec![entry]);
@@ -265,7 +266,7 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
                     ),
                 ));
             }
-            let entry = write_file(&path, &user, chown, &mut |f| {
+            let entry = write_file(&path, &mut |f| {
                 form.copy_part(f).map(drop).map_err(multipart_error)
             })?;
             written.push(entry);

@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use super::connect::{self, de_u32, Code, RpcError};
 use super::users::{OwnerNames, User};
 use super::{Call, Envd};
+use crate::sys::guest::FsIdentity;
 use crate::util::rfc3339;
 
 /// Entries one `ListDir` answers at most.
@@ -80,15 +81,21 @@ fn file_type(meta: &std::fs::Metadata) -> &'static str {
     }
 }
 
+/// `what path: e`, as permission_denied when the account may not, else internal.
+fn io_error(what: &str, path: &Path, e: &io::Error) -> RpcError {
+    let message = format!("{what} {}: {e}", path.display());
+    match e.kind() {
+        io::ErrorKind::PermissionDenied => RpcError::new(Code::PermissionDenied, message),
+        _ => RpcError::internal(message),
+    }
+}
+
 fn stat_error(path: &Path, e: &io::Error) -> RpcError {
     match e.kind() {
         io::ErrorKind::NotFound => {
             RpcError::not_found(format!("file not found: {}", path.display()))
         }
-        _ => RpcError::internal(format!(
-            "error getting file info of {}: {e}",
-            path.display()
-        )),
+        _ => io_error("error getting file info of", path, e),
     }
 }
 
@@ -136,8 +143,9 @@ pub fn entry_info(path: &Path, names: &OwnerNames) -> Result<Value, RpcError> {
     Ok(v)
 }
 
-/// Creates the missing directories of `dir` (mode 0755), owned by `user` when `chown`.
-pub fn ensure_dirs(dir: &Path, user: &User, chown: bool) -> Result<(), RpcError> {
+/// Creates the missing directories of `dir` (mode 0755), owned by the account the thread
+/// acts as ([`Envd::act_as`]).
+pub fn ensure_dirs(dir: &Path) -> Result<(), RpcError> {
     let mut at = PathBuf::from("/");
     for part in dir.components().skip(1) {
         at.push(part);
@@ -155,39 +163,36 @@ pub fn ensure_dirs(dir: &Path, user: &User, chown: bool) -> Result<(), RpcError>
         match std::fs::DirBuilder::new().mode(0o755).create(&at) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => {
-                return Err(RpcError::internal(format!(
-                    "error creating directory {}: {e}",
-                    at.display()
-                )))
-            }
-        }
-        if chown {
-            std::os::unix::fs::lchown(&at, Some(user.uid), Some(user.gid)).map_err(|e| {
-                RpcError::internal(format!("error changing owner of {}: {e}", at.display()))
-            })?;
+            Err(e) => return Err(io_error("error creating directory", &at, &e)),
         }
     }
     Ok(())
 }
 
-fn resolved(envd: &Envd, call: &Call, path: &str) -> Result<(User, PathBuf), RpcError> {
+/// The call's account, acting on files with its permissions while the guard lives, and
+/// `path` resolved for it.
+fn resolved(
+    envd: &Envd,
+    call: &Call,
+    path: &str,
+) -> Result<(User, Option<FsIdentity>, PathBuf), RpcError> {
     let user = envd.user(call)?;
+    let acting = envd.act_as(&user)?;
     let path = envd.resolve(path, &user)?;
-    Ok((user, path))
+    Ok((user, acting, path))
 }
 
 /// `Stat`.
 pub fn stat(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     let req: PathRequest = connect::parse(msg)?;
-    let (_, path) = resolved(envd, call, &req.path)?;
+    let (_, _acting, path) = resolved(envd, call, &req.path)?;
     Ok(json!({"entry": entry_info(&path, &envd.accounts.names())?}))
 }
 
 /// `MakeDir`: creates the directory and its parents; `already_exists` when it exists.
 pub fn make_dir(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     let req: PathRequest = connect::parse(msg)?;
-    let (user, path) = resolved(envd, call, &req.path)?;
+    let (_, _acting, path) = resolved(envd, call, &req.path)?;
     match std::fs::metadata(&path) {
         Ok(m) if m.is_dir() => {
             return Err(RpcError::new(
@@ -204,27 +209,27 @@ pub fn make_dir(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError>
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(stat_error(&path, &e)),
     }
-    ensure_dirs(&path, &user, envd.switch_users)?;
+    ensure_dirs(&path)?;
     Ok(json!({"entry": entry_info(&path, &envd.accounts.names())?}))
 }
 
 /// `Move`: renames, creating the destination's parents.
 pub fn move_entry(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     let req: MoveRequest = connect::parse(msg)?;
-    let (user, source) = resolved(envd, call, &req.source)?;
+    let (user, _acting, source) = resolved(envd, call, &req.source)?;
     let destination = envd.resolve(&req.destination, &user)?;
     if let Some(parent) = destination.parent() {
-        ensure_dirs(parent, &user, envd.switch_users)?;
+        ensure_dirs(parent)?;
     }
     std::fs::rename(&source, &destination).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => {
             RpcError::not_found(format!("source file not found: {}", source.display()))
         }
-        _ => RpcError::internal(format!(
-            "error renaming {} to {}: {e}",
-            source.display(),
-            destination.display()
-        )),
+        _ => io_error(
+            &format!("error renaming {} to", source.display()),
+            &destination,
+            &e,
+        ),
     })?;
     Ok(json!({"entry": entry_info(&destination, &envd.accounts.names())?}))
 }
@@ -232,7 +237,7 @@ pub fn move_entry(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcErro
 /// `Remove`: a file, a symlink or a whole directory tree; a missing path is fine.
 pub fn remove(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     let req: PathRequest = connect::parse(msg)?;
-    let (_, path) = resolved(envd, call, &req.path)?;
+    let (_, _acting, path) = resolved(envd, call, &req.path)?;
     let result = match std::fs::symlink_metadata(&path) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(&path),
         Ok(_) => std::fs::remove_file(&path),
@@ -241,10 +246,7 @@ pub fn remove(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     match result {
         Ok(()) => Ok(json!({})),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(json!({})),
-        Err(e) => Err(RpcError::internal(format!(
-            "error removing file or directory {}: {e}",
-            path.display()
-        ))),
+        Err(e) => Err(io_error("error removing file or directory", &path, &e)),
     }
 }
 
@@ -253,12 +255,12 @@ pub fn remove(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
 pub fn list_dir(envd: &Envd, call: &Call, msg: &[u8]) -> Result<Value, RpcError> {
     let req: ListDirRequest = connect::parse(msg)?;
     let depth = req.depth.filter(|&d| d > 0).unwrap_or(1);
-    let (_, requested) = resolved(envd, call, &req.path)?;
+    let (_, _acting, requested) = resolved(envd, call, &req.path)?;
     let real = std::fs::canonicalize(&requested).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => {
             RpcError::not_found(format!("path not found: {}", requested.display()))
         }
-        _ => RpcError::internal(format!("error resolving {}: {e}", requested.display())),
+        _ => io_error("error resolving", &requested, &e),
     })?;
     if !real.is_dir() {
         return Err(RpcError::invalid(format!(
@@ -279,9 +281,7 @@ fn walk(
     names: &OwnerNames,
     out: &mut Vec<Value>,
 ) -> Result<(), RpcError> {
-    let read = std::fs::read_dir(dir).map_err(|e| {
-        RpcError::internal(format!("error reading directory {}: {e}", dir.display()))
-    })?;
+    let read = std::fs::read_dir(dir).map_err(|e| io_error("error reading directory", dir, &e))?;
     let mut children: Vec<_> = read.filter_map(Result::ok).map(|e| e.file_name()).collect();
     children.sort();
     for name in children {

@@ -109,6 +109,18 @@ impl Envd {
         users::resolve(path, user, workdir.as_deref())
     }
 
+    /// This request thread acts on files as `user`, with its permissions, until the
+    /// guard drops (an agent that is not root acts as itself).
+    pub fn act_as(&self, user: &User) -> Result<Option<crate::sys::guest::FsIdentity>, RpcError> {
+        if !self.switch_users {
+            return Ok(None);
+        }
+        let groups = self.accounts.groups_of(user);
+        crate::sys::guest::FsIdentity::assume(user.uid, user.gid, &groups)
+            .map(Some)
+            .map_err(|e| RpcError::internal(format!("cannot act as {}: {e}", user.name)))
+    }
+
     pub fn defaults(&self) -> Defaults {
         self.defaults.read().clone()
     }

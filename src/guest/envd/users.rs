@@ -4,8 +4,9 @@
 //! account comes from the image's `/etc/passwd` (read on each call; images are static
 //! binaries' business, no NSS). Rules, in order:
 //! - a name in `/etc/passwd` is that account;
-//! - `user`, E2B's default account, falls back to `root` in images that lack it (the
-//!   built-in base image has it; most registry images do not);
+//! - `user`, E2B's default account, falls back to `root` where it does not exist (in a VM
+//!   it always does: the agent adds it at boot, `guest::provision`; the agent serving envd
+//!   on a host for tests may find none);
 //! - any other unknown name is `unauthenticated`, as envd answers.
 //!
 //! Relative paths and an empty working directory resolve against the account's home;
@@ -97,6 +98,26 @@ impl Accounts {
                 ),
             )),
         }
+    }
+
+    /// The supplementary groups of `user`: those of `/etc/group` that list its name.
+    pub fn groups_of(&self, user: &User) -> Vec<u32> {
+        let mut groups: Vec<u32> = std::fs::read_to_string(&self.group)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(':').collect();
+                let members = f.get(3)?;
+                members
+                    .split(',')
+                    .any(|m| m.trim() == user.name)
+                    .then(|| f.get(2)?.parse().ok())?
+            })
+            .collect();
+        groups.push(user.gid);
+        groups.sort_unstable();
+        groups.dedup();
+        groups
     }
 
     /// uid → name and gid → name, for listing owners.
@@ -210,7 +231,11 @@ mod tests {
 
     fn accounts(dir: &Path, passwd: &str) -> Accounts {
         std::fs::write(dir.join("passwd"), passwd).unwrap();
-        std::fs::write(dir.join("group"), "root:x:0:\nuser:x:1000:\n").unwrap();
+        std::fs::write(
+            dir.join("group"),
+            "root:x:0:\nuser:x:1000:\nsudo:x:27:bob,user\nusers:x:100:bob\n",
+        )
+        .unwrap();
         Accounts {
             passwd: dir.join("passwd"),
             group: dir.join("group"),
@@ -236,6 +261,7 @@ mod tests {
             (u.uid, u.gid, u.home.as_path()),
             (1000, 1000, Path::new("/home/user"))
         );
+        assert_eq!(with_user.groups_of(&u), vec![27, 1000]);
         let names = with_user.names();
         assert_eq!(
             (names.user(1000), names.group(0), names.user(7)),

@@ -218,8 +218,10 @@ impl Watchers {
 /// Resolves and checks the directory of a watch request.
 fn open_watch(envd: &Envd, call: &Call, req: &WatchRequest) -> Result<Watch, RpcError> {
     let user = envd.user(call)?;
+    // The directory must be the caller's to read; events come from the agent's inotify.
+    let _acting = envd.act_as(&user)?;
     let path = envd.resolve(&req.path, &user)?;
-    match std::fs::metadata(&path) {
+    match std::fs::read_dir(&path).and_then(|_| std::fs::metadata(&path)) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
             return Err(RpcError::invalid(format!(
