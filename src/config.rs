@@ -360,6 +360,8 @@ pub struct MetricsConfig {
 #[serde(deny_unknown_fields)]
 pub struct ApiConfig {
     pub envd_version: String,
+    /// Quiet seconds (both ways) after which a tunnelled upgrade (WebSocket) is closed.
+    pub tunnel_idle_secs: u64,
 }
 
 /// An IPv4 network in CIDR form.
@@ -556,6 +558,9 @@ impl Config {
                 "metrics.sandbox_interval_secs",
                 "must be in 0..=3600 (0 = no history)".into(),
             );
+        }
+        if !(1..=86400).contains(&self.api.tunnel_idle_secs) {
+            return invalid("api.tunnel_idle_secs", "must be in 1..=86400".into());
         }
         let sb = &self.sandbox;
         for (key, value, range) in [

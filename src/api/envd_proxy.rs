@@ -1,4 +1,5 @@
-//! The envd proxy: E2B's sandbox URL served on the API port (docs/e2b.md).
+//! The envd proxy: E2B's sandbox URL and public ports served on the API port
+//! (docs/e2b.md).
 //!
 //! The E2B SDKs talk to envd, the daemon inside an E2B sandbox, at one base URL for every
 //! sandbox (`E2B_SANDBOX_URL`) with an `E2b-Sandbox-Id` header, or at
@@ -10,12 +11,19 @@
 //! last as long as a command runs; they never hold an API worker. Threads are bounded in
 //! total and per sandbox (429 beyond).
 //!
-//! Credentials: `X-Access-Token` equal to the sandbox's `envdAccessToken`, or the API key
-//! (in `X-API-Key` or `X-Access-Token`). Anything else is 401 whether or not the sandbox
-//! exists. With a credential, a sandbox that is paused or gone is 502 "... was not found",
-//! which the SDKs read as "not running"; a running one whose guest does not answer on the
-//! port is 502 "... port is not open". Credentials, `Host` and hop-by-hop headers never
-//! reach the guest.
+//! Credentials ([`admitted`]): the API key (in `X-API-Key` or `X-Access-Token`) opens
+//! every port; envd's port needs `X-Access-Token` equal to the sandbox's
+//! `envdAccessToken`; other ports are open (E2B's `allowPublicTraffic`, default true)
+//! unless the sandbox was created with `network.allowPublicTraffic: false`, then they
+//! need `e2b-traffic-access-token` equal to its `trafficAccessToken` (or the envd token).
+//! Anything else is 401 whether or not the sandbox exists. With a credential, a sandbox
+//! that is paused or gone is 502 "... was not found", which the SDKs read as "not
+//! running"; a running one whose guest does not answer on the port is 502 "... port is
+//! not open". Credentials and hop-by-hop headers never reach the guest; envd's port gets
+//! `Host: envd`, other ports the client's `Host` or the sandbox's `maskRequestHost`.
+//!
+//! An HTTP/1.1 upgrade (WebSocket) goes to the guest as such; a `101` turns the
+//! connection into a byte tunnel (`envd::tunnel`), bounded by `[api] tunnel_idle_secs`.
 //!
 //! The first request to a sandbox's envd port after its VM started (create, resume,
 //! clone) is preceded by `POST /init` with the sandbox's environment (image env and the
@@ -23,7 +31,7 @@
 
 use super::ApiError;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
-use crate::orchestrator::{EnvdRoute, EnvdTarget, Orchestrator};
+use crate::orchestrator::{Access, EnvdRoute, EnvdTarget, Orchestrator};
 use crate::util::{constant_time_eq, is_uuid};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -47,12 +55,15 @@ const DEADLINE_SLACK: Duration = Duration::from_secs(30);
 const STREAM_IDLE: Duration = Duration::from_secs(24 * 3600);
 const UNARY_IDLE: Duration = Duration::from_secs(300);
 /// Request headers the guest never sees.
-const WITHHELD: [&str; 4] = [
+const WITHHELD: [&str; 5] = [
     "x-api-key",
     "x-access-token",
+    "e2b-traffic-access-token",
     "e2b-sandbox-id",
     "e2b-sandbox-port",
 ];
+/// How often a tunnel's client side wakes to look at the other side and the sandbox.
+const TUNNEL_POLL: Duration = Duration::from_secs(2);
 
 /// Where an envd request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +76,8 @@ pub struct EnvdProxy {
     orchestrator: Arc<Orchestrator>,
     api_key: String,
     agent_port: u16,
+    /// How long an upgraded connection (WebSocket) may stay quiet both ways.
+    tunnel_idle: Duration,
     /// Stream threads running (see [`EnvdProxy::divert`]).
     threads: AtomicUsize,
     /// Open exchanges per sandbox.
@@ -94,10 +107,12 @@ impl Drop for StreamPermit {
 impl EnvdProxy {
     pub fn new(orchestrator: Arc<Orchestrator>, api_key: String) -> EnvdProxy {
         let agent_port = orchestrator.config().agent.port;
+        let tunnel_idle = Duration::from_secs(orchestrator.config().api.tunnel_idle_secs);
         EnvdProxy {
             orchestrator,
             api_key,
             agent_port,
+            tunnel_idle,
             threads: AtomicUsize::new(0),
             open: Mutex::new(HashMap::new()),
             initialized: Mutex::new(HashMap::new()),
@@ -136,23 +151,24 @@ impl EnvdProxy {
         None
     }
 
-    /// Answers one envd request: credentials, route, `/init` when due, then the exchange
-    /// with the guest. Blocks for as long as the exchange lasts: run it on a thread that
-    /// is no API worker.
+    /// Answers one request for a sandbox's port: credentials, route, `/init` when due,
+    /// then the exchange with the guest. Blocks for as long as the exchange lasts: run it
+    /// on a thread that is no API worker.
     pub fn serve(self: &Arc<Self>, request: Request) {
         let Some(dest) = destination(&request, self.agent_port) else {
             return answer_error(request, &ApiError::not_found("no sandbox named"));
         };
         let route = self.orchestrator.envd_route(&dest.sandbox);
-        let token = match &route {
-            EnvdRoute::Running(t) => Some(t.token.as_str()),
-            EnvdRoute::NotRunning { token } => Some(token.as_str()),
+        let access = match &route {
+            EnvdRoute::Running(t) => Some(&t.access),
+            EnvdRoute::NotRunning { access } => Some(access),
             EnvdRoute::Unknown => None,
         };
-        if !authorized(&request, token, &self.api_key) {
-            return answer_error(request, &unauthorized());
+        let envd_port = dest.port == self.agent_port;
+        if !admitted(&Credentials::of(&request), envd_port, access, &self.api_key) {
+            return answer_error(request, &unauthorized(envd_port));
         }
-        // Only a client with the credential wakes a sleeping sandbox (autoResume).
+        // Only admitted traffic wakes a sleeping sandbox (autoResume).
         let route = match route {
             EnvdRoute::NotRunning { .. } => match self.orchestrator.route_waking(&dest.sandbox) {
                 Ok(route) => route,
@@ -208,7 +224,20 @@ impl EnvdProxy {
         let started = std::time::Instant::now();
         let method = request.method().to_string();
         let path = request.url().split('?').next().unwrap_or("").to_string();
-        match exchange(request, addr, patience, dest) {
+        let host = if dest.port == self.agent_port {
+            "envd".to_string()
+        } else {
+            let client_host = header(&request, "Host").unwrap_or("localhost");
+            target.access.ingress.host_for(dest.port, client_host)
+        };
+        let exchange = Exchange {
+            addr,
+            patience,
+            dest,
+            host: &host,
+            tunnel_idle: self.tunnel_idle,
+        };
+        match exchange.run(request) {
             Ok(status) => log::debug!(
                 "sandboxId={} op=envd method={method} path={path} status={status} ms={}",
                 dest.sandbox,
@@ -298,32 +327,57 @@ fn header<'a>(request: &'a Request, name: &str) -> Option<&'a str> {
         .map(|h| h.value.as_str())
 }
 
-/// The API key in `X-API-Key` or `X-Access-Token`, or the sandbox's token in
-/// `X-Access-Token`; all compared in constant time.
-fn authorized(request: &Request, token: Option<&str>, api_key: &str) -> bool {
-    let key = header(request, "X-API-Key");
-    let access = header(request, "X-Access-Token");
-    credential_matches(key, access, token, api_key)
+/// The credentials a request carries.
+#[derive(Default)]
+struct Credentials<'a> {
+    /// `X-API-Key`.
+    api_key: Option<&'a str>,
+    /// `X-Access-Token`: the API key or the sandbox's `envdAccessToken`.
+    access: Option<&'a str>,
+    /// `e2b-traffic-access-token`: the sandbox's `trafficAccessToken`.
+    traffic: Option<&'a str>,
 }
 
-fn credential_matches(
-    key: Option<&str>,
-    access: Option<&str>,
-    token: Option<&str>,
-    api_key: &str,
-) -> bool {
-    let is_key = |v: &str| constant_time_eq(v.as_bytes(), api_key.as_bytes());
-    let is_token = |v: &str| {
-        token.is_some_and(|t| !t.is_empty() && constant_time_eq(v.as_bytes(), t.as_bytes()))
+impl<'a> Credentials<'a> {
+    fn of(request: &'a Request) -> Credentials<'a> {
+        Credentials {
+            api_key: header(request, "X-API-Key"),
+            access: header(request, "X-Access-Token"),
+            traffic: header(request, "e2b-traffic-access-token"),
+        }
+    }
+}
+
+/// Whether a request with `creds` may reach a port of a sandbox with `access` (`None`:
+/// unknown): the API key opens every port; the envd port needs the envd token; another
+/// port is open when the sandbox is public, else needs the traffic token (or the envd
+/// token, which opens more). Secrets are compared in constant time; an empty one opens
+/// nothing.
+fn admitted(creds: &Credentials, envd_port: bool, access: Option<&Access>, api_key: &str) -> bool {
+    let is = |given: Option<&str>, secret: &str| {
+        given.is_some_and(|g| {
+            !secret.is_empty() && constant_time_eq(g.as_bytes(), secret.as_bytes())
+        })
     };
-    key.is_some_and(is_key) || access.is_some_and(|a| is_key(a) || is_token(a))
+    if is(creds.api_key, api_key) || is(creds.access, api_key) {
+        return true;
+    }
+    let Some(access) = access else {
+        return false;
+    };
+    if is(creds.access, &access.envd_token) {
+        return true;
+    }
+    !envd_port && (access.ingress.public || is(creds.traffic, &access.traffic_token))
 }
 
-fn unauthorized() -> ApiError {
-    ApiError::new(
-        401,
-        "missing or invalid X-Access-Token (the sandbox's envdAccessToken) or X-API-Key",
-    )
+fn unauthorized(envd_port: bool) -> ApiError {
+    let message = if envd_port {
+        "missing or invalid X-Access-Token (the sandbox's envdAccessToken) or X-API-Key"
+    } else {
+        "missing or invalid e2b-traffic-access-token (the sandbox's trafficAccessToken): this sandbox's ports are not public"
+    };
+    ApiError::new(401, message)
 }
 
 /// The words the E2B SDKs look for to tell a sandbox that is not running.
@@ -349,23 +403,145 @@ fn idle_limit(request: &Request) -> Duration {
     }
 }
 
-/// Sends `request` to the guest and its answer back; the answer's status.
-fn exchange(
-    mut request: Request,
+/// One request's way to a guest port.
+struct Exchange<'a> {
     addr: SocketAddr,
     patience: Patience,
-    dest: &Destination,
-) -> Result<u16, EnvdError> {
-    let target = request.url().to_string();
-    if !target.starts_with('/') {
-        answer_error(
-            request,
-            &ApiError::bad_request("request target must be a path"),
-        );
-        return Ok(400);
+    dest: &'a Destination,
+    /// The `Host` the guest receives.
+    host: &'a str,
+    tunnel_idle: Duration,
+}
+
+impl Exchange<'_> {
+    /// Sends `request` to the guest and its answer back (or, after a `101` to an
+    /// upgrade, tunnels the connection); the answer's status.
+    fn run(&self, mut request: Request) -> Result<u16, EnvdError> {
+        let target = request.url().to_string();
+        if !target.starts_with('/') {
+            let e = ApiError::bad_request("request target must be a path");
+            answer_error(request, &e);
+            return Ok(400);
+        }
+        let upgrade = match upgrade_of(&request) {
+            Ok(u) => u,
+            Err(e) => {
+                answer_error(request, &e);
+                return Ok(400);
+            }
+        };
+        let method = request.method().to_string();
+        let headers = forwarded_headers(&request);
+        let framing = match upgrade {
+            Some(_) => Framing::None,
+            None => body_framing(&request),
+        };
+        let mut conn = match envd::Connection::open(self.addr, self.patience.clone()) {
+            Ok(c) => c,
+            Err(e) => {
+                let message = format!(
+                    "The sandbox {} is running but port {} is not open: {e}",
+                    self.dest.sandbox, self.dest.port
+                );
+                answer_error(request, &ApiError::new(502, message));
+                return Err(e);
+            }
+        };
+        let outgoing = Outgoing {
+            method: &method,
+            target: &target,
+            host: self.host,
+            headers: &headers,
+            body: framing,
+            upgrade: upgrade.as_deref(),
+        };
+        let sent = conn.send(&outgoing, request.as_reader());
+        let answer = match sent.and_then(|_| conn.answer(upgrade.is_some())) {
+            Ok(a) => a,
+            Err(e) => {
+                answer_error(request, &upstream_error(&e));
+                return Err(e);
+            }
+        };
+        match (upgrade, answer.upgraded) {
+            (Some(protocol), Some(guest)) => {
+                self.tunnel(request, &protocol, &answer.headers, guest)?;
+                Ok(101)
+            }
+            (_, upgraded) => {
+                let answer = envd::Answer { upgraded, ..answer };
+                relay_answer(request, answer)
+            }
+        }
     }
-    let method = request.method().to_string();
-    let headers: Vec<(String, String)> = request
+
+    /// Answers `101` with the guest's headers, then relays bytes both ways until either
+    /// side closes, the sandbox stops or both stay quiet for the tunnel's idle limit.
+    fn tunnel(
+        &self,
+        request: Request,
+        protocol: &str,
+        headers: &[(String, String)],
+        guest: envd::Upgraded,
+    ) -> Result<(), EnvdError> {
+        let mut response = Response::empty(StatusCode(101));
+        for (k, v) in headers {
+            if let Ok(h) = Header::from_bytes(k.as_bytes(), v.as_bytes()) {
+                response.add_header(h);
+            }
+        }
+        // Client reads wake every TUNNEL_POLL to look at the guest side and the sandbox.
+        request.set_body_timeout(Some(TUNNEL_POLL));
+        let (reader, writer) = request
+            .upgrade_split(protocol, response)
+            .map_err(envd::read_error)?;
+        let patience = Patience {
+            idle: self.tunnel_idle,
+            alive: self.patience.alive.clone(),
+        };
+        let totals = envd::tunnel::relay(reader, writer, guest, patience)?;
+        log::info!(
+            "sandboxId={} op=tunnel port={} protocol={protocol} toGuest={} toClient={} end={:?}",
+            self.dest.sandbox,
+            self.dest.port,
+            totals.to_guest,
+            totals.to_client,
+            totals.end
+        );
+        Ok(())
+    }
+}
+
+/// The protocol of an HTTP/1.1 upgrade request (`Connection: upgrade` and `Upgrade`),
+/// `None` for any other request. An upgrade with a body is refused: what follows the
+/// head belongs to the new protocol.
+fn upgrade_of(request: &Request) -> Result<Option<String>, ApiError> {
+    let wants = header(request, "Connection").is_some_and(|c| {
+        c.split(',')
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+    });
+    let Some(protocol) = header(request, "Upgrade").filter(|_| wants) else {
+        return Ok(None);
+    };
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~/, ".contains(&b);
+    if protocol.is_empty() || protocol.len() > 256 || !protocol.bytes().all(token) {
+        return Err(ApiError::bad_request(format!(
+            "Upgrade {protocol:?} is not a protocol name"
+        )));
+    }
+    let has_body = header(request, "Transfer-Encoding").is_some()
+        || request.body_length().is_some_and(|n| n > 0);
+    if has_body {
+        return Err(ApiError::bad_request(
+            "an upgrade request cannot have a body",
+        ));
+    }
+    Ok(Some(protocol.to_string()))
+}
+
+/// The request's headers the guest may see: no hop-by-hop ones, no credentials.
+fn forwarded_headers(request: &Request) -> Vec<(String, String)> {
+    request
         .headers()
         .iter()
         .filter(|h| {
@@ -373,40 +549,22 @@ fn exchange(
             !envd::is_hop_by_hop(name) && !WITHHELD.iter().any(|w| name.eq_ignore_ascii_case(w))
         })
         .map(|h| (h.field.as_str().to_string(), h.value.as_str().to_string()))
-        .collect();
-    let framing = if header(&request, "Transfer-Encoding").is_some() {
+        .collect()
+}
+
+fn body_framing(request: &Request) -> Framing {
+    if header(request, "Transfer-Encoding").is_some() {
         Framing::Chunked
     } else {
         match request.body_length() {
             Some(n) => Framing::Length(n as u64),
             None => Framing::None,
         }
-    };
-    let mut conn = match envd::Connection::open(addr, patience) {
-        Ok(c) => c,
-        Err(e) => {
-            let message = format!(
-                "The sandbox {} is running but port {} is not open: {e}",
-                dest.sandbox, dest.port
-            );
-            answer_error(request, &ApiError::new(502, message));
-            return Err(e);
-        }
-    };
-    let outgoing = Outgoing {
-        method: &method,
-        target: &target,
-        headers: &headers,
-        body: framing,
-    };
-    let sent = conn.send(&outgoing, request.as_reader());
-    let answer = match sent.and_then(|_| conn.answer()) {
-        Ok(a) => a,
-        Err(e) => {
-            answer_error(request, &upstream_error(&e));
-            return Err(e);
-        }
-    };
+    }
+}
+
+/// Sends the guest's answer head and streams its body to the client.
+fn relay_answer(request: Request, answer: envd::Answer) -> Result<u16, EnvdError> {
     let status = answer.status;
     let headers: Vec<Header> = answer
         .headers
@@ -473,20 +631,95 @@ mod tests {
     #[test]
     fn credentials() {
         let key = "the-api-key";
-        let check = |k, a, t| credential_matches(k, a, t, key);
-        assert!(check(Some(key), None, None));
-        assert!(check(None, Some(key), None));
-        assert!(check(None, Some("tok"), Some("tok")));
-        assert!(!check(None, Some("tok"), Some("other")));
-        assert!(!check(None, Some("tok"), None));
-        assert!(!check(None, None, Some("tok")));
+        let private = Access {
+            envd_token: "envd".into(),
+            traffic_token: "traffic".into(),
+            ingress: crate::orchestrator::Ingress {
+                public: false,
+                mask_request_host: None,
+            },
+        };
+        let public = Access {
+            ingress: Default::default(),
+            ..private.clone()
+        };
+        let creds = |k, a, t| Credentials {
+            api_key: k,
+            access: a,
+            traffic: t,
+        };
+        let none = Credentials::default();
+        // The API key opens every port of every sandbox, known or not.
+        for envd in [true, false] {
+            assert!(admitted(&creds(Some(key), None, None), envd, None, key));
+            assert!(admitted(
+                &creds(None, Some(key), None),
+                envd,
+                Some(&private),
+                key
+            ));
+            assert!(admitted(
+                &creds(None, Some("envd"), None),
+                envd,
+                Some(&private),
+                key
+            ));
+            assert!(!admitted(&none, envd, None, key), "unknown sandbox");
+            assert!(
+                !admitted(&creds(Some("envd"), None, None), envd, Some(&private), key),
+                "a token is no API key"
+            );
+        }
+        // envd's port: its token only, public or not.
+        assert!(!admitted(&none, true, Some(&public), key));
+        assert!(!admitted(
+            &creds(None, None, Some("traffic")),
+            true,
+            Some(&private),
+            key
+        ));
+        assert!(!admitted(
+            &creds(None, Some("other"), None),
+            true,
+            Some(&public),
+            key
+        ));
+        // Other ports: open when public, else the traffic token.
+        assert!(admitted(&none, false, Some(&public), key));
+        assert!(!admitted(&none, false, Some(&private), key));
+        assert!(admitted(
+            &creds(None, None, Some("traffic")),
+            false,
+            Some(&private),
+            key
+        ));
+        assert!(!admitted(
+            &creds(None, None, Some("traffik")),
+            false,
+            Some(&private),
+            key
+        ));
         assert!(
-            !check(Some("tok"), None, Some("tok")),
-            "a token is no API key"
+            !admitted(
+                &creds(None, Some("traffic"), None),
+                false,
+                Some(&private),
+                key
+            ),
+            "the traffic token is no envd token"
+        );
+        let empty = Access {
+            envd_token: String::new(),
+            traffic_token: String::new(),
+            ..private.clone()
+        };
+        assert!(
+            !admitted(&creds(None, Some(""), Some("")), false, Some(&empty), key),
+            "an empty token opens nothing"
         );
         assert!(
-            !check(None, Some(""), Some("")),
-            "an empty token opens nothing"
+            !admitted(&creds(Some(""), None, None), true, None, ""),
+            "nor an empty key"
         );
     }
 }

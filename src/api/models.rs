@@ -27,11 +27,15 @@ fn identity(info: &SandboxInfo, envd_version: &str) -> Value {
     v
 }
 
-/// `envdAccessToken` [E2B]: the credential of the sandbox's envd (docs/e2b.md). Not in
-/// lists, as E2B's `ListedSandbox` has none.
+/// `envdAccessToken` [E2B]: the credential of the sandbox's envd (docs/e2b.md), and
+/// `trafficAccessToken` [E2B], the credential of its other ports when they are not
+/// public. Not in lists, as E2B's `ListedSandbox` has none.
 fn with_token(v: &mut Value, info: &SandboxInfo) {
     if !info.envd_access_token.is_empty() {
         v["envdAccessToken"] = json!(info.envd_access_token);
+    }
+    if !info.settings.ingress.public && !info.traffic_access_token.is_empty() {
+        v["trafficAccessToken"] = json!(info.traffic_access_token);
     }
 }
 
@@ -57,6 +61,11 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = listed_sandbox(info, envd_version);
     with_token(&mut v, info);
     v["allowInternetAccess"] = json!(info.settings.internet_access);
+    let ingress = &info.settings.ingress;
+    v["network"] = json!({"allowPublicTraffic": ingress.public});
+    if let Some(mask) = &ingress.mask_request_host {
+        v["network"]["maskRequestHost"] = json!(mask);
+    }
     if let Some(violation) = &info.guest_protocol_violation {
         v["guestProtocolViolation"] = json!(violation);
     }

@@ -5,7 +5,7 @@ use super::e2b_templates as e2b;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::config::OnTimeout;
 use crate::orchestrator::{
-    ColdStart, CommandRequest, FromSnapshot, Resources, SandboxInfo, SandboxRequest,
+    ColdStart, CommandRequest, FromSnapshot, Ingress, Resources, SandboxInfo, SandboxRequest,
     TemplateRequest,
 };
 use crate::util::is_uuid;
@@ -452,7 +452,61 @@ fn create_fields(
         metadata,
         env_vars,
         allow_internet_access: internet_access(ctx, f)?,
+        ingress: ingress_field(f)?,
     })
+}
+
+/// `network.allowPublicTraffic` (absent or `null`: public) and `network.maskRequestHost`
+/// (docs/e2b.md, "Public ports").
+fn ingress_field(f: &Fields) -> Result<Ingress, ApiError> {
+    let mut ingress = Ingress::default();
+    let net = match f.raw("network") {
+        None | Some(Value::Null) => return Ok(ingress),
+        Some(Value::Object(net)) => net,
+        Some(_) => {
+            return Err(ApiError::unprocessable("field network must be an object"));
+        }
+    };
+    match net.get("allowPublicTraffic") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => ingress.public = *b,
+        Some(_) => {
+            return Err(ApiError::unprocessable(
+                "field network.allowPublicTraffic must be a boolean",
+            ))
+        }
+    }
+    match net.get("maskRequestHost") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(mask)) => {
+            check_mask(mask)?;
+            ingress.mask_request_host = Some(mask.clone());
+        }
+        Some(_) => {
+            return Err(ApiError::unprocessable(
+                "field network.maskRequestHost must be a string",
+            ))
+        }
+    }
+    Ok(ingress)
+}
+
+/// A host name (letters, digits, `.`, `-`, an optional `:port`) in which `${PORT}` may
+/// stand for the port, at most 253 bytes.
+fn check_mask(mask: &str) -> Result<(), ApiError> {
+    let rest = mask.replace("${PORT}", "1");
+    let ok = !mask.is_empty()
+        && mask.len() <= 253
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "network.maskRequestHost {mask:?} is not a host name (letters, digits, '.', '-', ':port', with ${{PORT}} for the port; at most 253 bytes)"
+        )))
+    }
 }
 
 /// `autoResume`: absent, `null` or `{"enabled": bool}`.
@@ -1152,6 +1206,29 @@ mod tests {
 
     fn document() -> Value {
         serde_json::from_str(OPENAPI).expect("docs/openapi.json is JSON")
+    }
+
+    #[test]
+    fn request_host_masks() {
+        for good in [
+            "${PORT}-app.example.com",
+            "app.example.com:8443",
+            "x",
+            "${PORT}",
+        ] {
+            assert!(check_mask(good).is_ok(), "{good}");
+        }
+        let long = "a".repeat(254);
+        for bad in [
+            "",
+            "a b",
+            "a\r\nX: y",
+            "${HOST}.example.com",
+            "é.example",
+            long.as_str(),
+        ] {
+            assert!(check_mask(bad).is_err(), "{bad:?}");
+        }
     }
 
     /// Every routed method and path is in docs/openapi.json, and nothing else is.

@@ -12,6 +12,7 @@
 
 mod chunked;
 pub mod process;
+pub mod tunnel;
 
 pub use chunked::ChunkedReader;
 
@@ -78,21 +79,34 @@ pub enum Framing {
     Close,
 }
 
-/// A request to send: method, path with query, headers (hop-by-hop ones already
-/// removed) and the body's framing.
+/// A request to send: method, path with query, `Host`, headers (hop-by-hop ones already
+/// removed), the body's framing and, for an HTTP/1.1 upgrade (WebSocket), the protocol
+/// asked for.
 pub struct Outgoing<'a> {
     pub method: &'a str,
     pub target: &'a str,
+    pub host: &'a str,
     pub headers: &'a [(String, String)],
     pub body: Framing,
+    pub upgrade: Option<&'a str>,
 }
 
 /// A guest's answer: status, headers (framing and hop-by-hop ones removed) and the body.
+/// A `101 Switching Protocols` to an upgrade request has no body: the connection itself
+/// is handed over in `upgraded`.
 pub struct Answer {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub framing: Framing,
     pub body: Box<dyn Read + Send>,
+    pub upgraded: Option<Upgraded>,
+}
+
+/// The guest's side of an upgraded connection: the socket and what the guest already
+/// sent past its answer head.
+pub struct Upgraded {
+    pub stream: TcpStream,
+    pub buffered: Vec<u8>,
 }
 
 /// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1).
@@ -136,7 +150,10 @@ impl Connection {
     /// Sends the request head, then `body` framed as the head says (a chunk per read,
     /// so input streamed by the client reaches the guest as it comes).
     pub fn send(&mut self, req: &Outgoing, body: &mut dyn Read) -> Result<(), EnvdError> {
-        let mut head = format!("{} {} HTTP/1.1\r\nHost: envd\r\n", req.method, req.target);
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\nHost: {}\r\n",
+            req.method, req.target, req.host
+        );
         for (k, v) in req.headers {
             head.push_str(&format!("{k}: {v}\r\n"));
         }
@@ -145,7 +162,12 @@ impl Connection {
             Framing::Chunked => head.push_str("Transfer-Encoding: chunked\r\n"),
             Framing::None | Framing::Close => {}
         }
-        head.push_str("Connection: close\r\n\r\n");
+        match req.upgrade {
+            Some(protocol) => head.push_str(&format!(
+                "Connection: Upgrade\r\nUpgrade: {protocol}\r\n\r\n"
+            )),
+            None => head.push_str("Connection: close\r\n\r\n"),
+        }
         let io = |e| EnvdError::Io(e);
         self.stream.write_all(head.as_bytes()).map_err(io)?;
         match req.body {
@@ -177,16 +199,35 @@ impl Connection {
         self.stream.flush().map_err(io)
     }
 
-    /// Reads the answer head (bounded) and hands back the body as a reader.
-    pub fn answer(self) -> Result<Answer, EnvdError> {
+    /// Reads the answer head (bounded) and hands back the body as a reader, or the
+    /// connection after a `101` to an upgrade request.
+    pub fn answer(self, upgrading: bool) -> Result<Answer, EnvdError> {
         let mut reader = BufReader::new(Patient {
             stream: self.stream,
             patience: self.patience,
             last: Instant::now(),
         });
         let (status, raw) = read_head(&mut reader)?;
+        let headers = raw
+            .iter()
+            .filter(|(k, _)| !is_hop_by_hop(k))
+            .cloned()
+            .collect();
+        if status == 101 {
+            if !upgrading {
+                return Err(bad("101 to a request that asked for no upgrade".into()));
+            }
+            let buffered = reader.buffer().to_vec();
+            let stream = reader.into_inner().stream;
+            return Ok(Answer {
+                status,
+                headers,
+                framing: Framing::None,
+                body: Box::new(io::empty()),
+                upgraded: Some(Upgraded { stream, buffered }),
+            });
+        }
         let framing = framing_of(status, &raw)?;
-        let headers = raw.into_iter().filter(|(k, _)| !is_hop_by_hop(k)).collect();
         let body: Box<dyn Read + Send> = match framing {
             Framing::None => Box::new(io::empty()),
             Framing::Length(n) => Box::new(Exact {
@@ -201,6 +242,7 @@ impl Connection {
             headers,
             framing,
             body,
+            upgraded: None,
         })
     }
 }
@@ -223,11 +265,13 @@ pub fn call(
     let req = Outgoing {
         method,
         target,
+        host: "envd",
         headers: &headers,
         body: Framing::Length(body.len() as u64),
+        upgrade: None,
     };
     conn.send(&req, &mut &body[..])?;
-    let answer = conn.answer()?;
+    let answer = conn.answer(false)?;
     let mut out = Vec::new();
     answer
         .body
@@ -540,11 +584,13 @@ mod tests {
         let req = Outgoing {
             method: "GET",
             target: "/x",
+            host: "envd",
             headers: &[],
             body: Framing::None,
+            upgrade: None,
         };
         conn.send(&req, &mut io::empty()).unwrap();
-        let mut answer = conn.answer().unwrap();
+        let mut answer = conn.answer(false).unwrap();
         let mut buf = [0u8; 16];
         let n = answer.body.read(&mut buf).unwrap();
         assert_eq!(

@@ -175,11 +175,13 @@ fn open(
     let req = Outgoing {
         method: "POST",
         target: "/process.Process/Start",
+        host: "envd",
         headers: &headers,
         body: Framing::Length(framed.len() as u64),
+        upgrade: None,
     };
     conn.send(&req, &mut &framed[..])?;
-    let answer = conn.answer()?;
+    let answer = conn.answer(false)?;
     if answer.status != 200 {
         let mut text = String::new();
         let _ = answer.body.take(4096).read_to_string(&mut text);

@@ -1,11 +1,13 @@
-//! What the envd proxy (api/envd_proxy.rs) may know about a sandbox: its access token,
-//! whether a VM runs it and where the guest listens, and the environment every process
-//! in it starts with. Deleted sandboxes leave their token behind for a while, so that a
-//! client holding it learns "was not found" (E2B's answer for a sandbox that is gone)
-//! while a client without it learns nothing.
+//! What the envd proxy (api/envd_proxy.rs) may know about a sandbox: what opens its ports
+//! (its access tokens and ingress settings), whether a VM runs it and where the guest
+//! listens, and the environment every process in it starts with. Deleted sandboxes leave
+//! their access behind for a while, so that a client holding a token learns "was not
+//! found" (E2B's answer for a sandbox that is gone) while a client without one learns
+//! nothing.
 
 use super::registry::Registry;
-use super::sandbox::{SandboxEntry, SandboxState};
+use super::sandbox::{SandboxEntry, SandboxInfo, SandboxState};
+use super::settings::Ingress;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::net::Ipv4Addr;
@@ -18,16 +20,36 @@ const GONE_CAPACITY: usize = 4096;
 pub enum EnvdRoute {
     /// A VM runs it.
     Running(EnvdTarget),
-    /// Paused, between states, or deleted: its token still identifies it.
-    NotRunning { token: String },
+    /// Paused, between states, or deleted: its tokens still identify it.
+    NotRunning { access: Access },
     /// Never seen, or deleted long ago.
     Unknown,
+}
+
+/// What opens a sandbox's ports through the proxy (docs/e2b.md, "Public ports").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Access {
+    /// `envdAccessToken`: opens every port (empty in records from before it).
+    pub envd_token: String,
+    /// `trafficAccessToken`: opens the ports other than envd's of a non-public sandbox.
+    pub traffic_token: String,
+    pub ingress: Ingress,
+}
+
+impl Access {
+    pub(crate) fn of(info: &SandboxInfo) -> Access {
+        Access {
+            envd_token: info.envd_access_token.clone(),
+            traffic_token: info.traffic_access_token.clone(),
+            ingress: info.settings.ingress.clone(),
+        }
+    }
 }
 
 /// Where a running sandbox's guest listens, and what its processes start with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvdTarget {
-    pub token: String,
+    pub access: Access,
     pub host_ip: Ipv4Addr,
     /// The VM instance ([`super::sandbox::RuntimeHandle::instance`]); a new one needs `/init`.
     pub instance: u64,
@@ -35,17 +57,25 @@ pub struct EnvdTarget {
     pub env: Vec<(String, String)>,
 }
 
-/// Tokens of recently deleted sandboxes, oldest dropped first.
-#[derive(Default)]
-pub(crate) struct GoneTokens {
-    inner: Mutex<(HashMap<String, String>, VecDeque<String>)>,
+/// A bounded memory of recently deleted sandboxes (their access, or how they died),
+/// oldest dropped first.
+pub(crate) struct Recent<T> {
+    inner: Mutex<(HashMap<String, T>, VecDeque<String>)>,
 }
 
-impl GoneTokens {
-    pub fn remember(&self, id: &str, token: &str) {
+impl<T> Default for Recent<T> {
+    fn default() -> Recent<T> {
+        Recent {
+            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+        }
+    }
+}
+
+impl<T: Clone> Recent<T> {
+    pub fn remember(&self, id: &str, value: T) {
         let mut guard = self.inner.lock();
         let (map, order) = &mut *guard;
-        if map.insert(id.to_string(), token.to_string()).is_none() {
+        if map.insert(id.to_string(), value).is_none() {
             order.push_back(id.to_string());
         }
         while order.len() > GONE_CAPACITY {
@@ -55,7 +85,7 @@ impl GoneTokens {
         }
     }
 
-    pub fn token(&self, id: &str) -> Option<String> {
+    pub fn get(&self, id: &str) -> Option<T> {
         self.inner.lock().0.get(id).cloned()
     }
 }
@@ -63,8 +93,8 @@ impl GoneTokens {
 /// The route of `id` now.
 pub(crate) fn route(registry: &Registry, id: &str) -> EnvdRoute {
     let Ok(entry) = registry.entry(id) else {
-        return match registry.gone_token(id) {
-            Some(token) => EnvdRoute::NotRunning { token },
+        return match registry.gone_access(id) {
+            Some(access) => EnvdRoute::NotRunning { access },
             None => EnvdRoute::Unknown,
         };
     };
@@ -80,7 +110,7 @@ fn route_of(entry: &SandboxEntry) -> EnvdRoute {
     );
     match instance {
         Some(instance) if serving => EnvdRoute::Running(EnvdTarget {
-            token: info.envd_access_token,
+            access: Access::of(&info),
             host_ip: info.host_ip,
             instance,
             env: super::merged_env(
@@ -90,7 +120,7 @@ fn route_of(entry: &SandboxEntry) -> EnvdRoute {
             ),
         }),
         _ => EnvdRoute::NotRunning {
-            token: info.envd_access_token,
+            access: Access::of(&info),
         },
     }
 }
@@ -106,16 +136,17 @@ mod tests {
 
     #[test]
     fn gone_tokens_are_bounded_oldest_first() {
-        let gone = GoneTokens::default();
+        let gone = Recent::default();
+        let token = |id: &str| gone.get(id);
         for i in 0..GONE_CAPACITY + 2 {
-            gone.remember(&format!("id{i}"), &format!("t{i}"));
+            gone.remember(&format!("id{i}"), format!("t{i}"));
         }
-        assert_eq!(gone.token("id0"), None);
-        assert_eq!(gone.token("id1"), None);
-        assert_eq!(gone.token("id2").as_deref(), Some("t2"));
+        assert_eq!(token("id0"), None);
+        assert_eq!(token("id1"), None);
+        assert_eq!(token("id2").as_deref(), Some("t2"));
         let last = GONE_CAPACITY + 1;
-        assert_eq!(gone.token(&format!("id{last}")), Some(format!("t{last}")));
-        gone.remember("id2", "again");
+        assert_eq!(token(&format!("id{last}")), Some(format!("t{last}")));
+        gone.remember("id2", "again".to_string());
         assert_eq!(gone.inner.lock().1.len(), GONE_CAPACITY);
     }
 }

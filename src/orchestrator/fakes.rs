@@ -22,6 +22,7 @@ pub(crate) fn settings() -> SandboxSettings {
         env_vars: Default::default(),
         image_env: vec![],
         internet_access: false,
+        ingress: Default::default(),
         custom_extension_params: serde_json::json!({}),
     }
 }

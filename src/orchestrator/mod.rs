@@ -40,10 +40,10 @@ mod wake;
 
 pub use build_files::UploadError;
 pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
-pub use envd::{EnvdRoute, EnvdTarget};
+pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
-pub use settings::{Resources, SandboxRequest, SandboxSettings};
+pub use settings::{Ingress, Resources, SandboxRequest, SandboxSettings};
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
@@ -556,6 +556,7 @@ impl Orchestrator {
             auto_pause_memory: req.request.auto_pause_memory,
             auto_resume: req.request.auto_resume,
             internet_access: req.request.internet_access(launcher.outbound),
+            ingress: req.request.ingress,
             metadata: req.request.metadata,
             env_vars,
             image_env: snap.settings.image_env.clone(),

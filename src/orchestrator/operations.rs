@@ -120,6 +120,7 @@ pub(crate) fn create_cold(
         auto_pause_memory: req.request.auto_pause_memory,
         auto_resume: req.request.auto_resume,
         internet_access: req.request.internet_access(launcher.outbound),
+        ingress: req.request.ingress,
         metadata: req.request.metadata,
         env_vars: req.request.env_vars,
         image_env: image.env.clone(),

@@ -2,7 +2,7 @@
 //! directories live. Operations on an existing sandbox need this and nothing else of the
 //! orchestrator's state.
 
-use super::envd::GoneTokens;
+use super::envd::{Access, Recent};
 use super::sandbox::{SandboxEntry, SandboxState};
 use super::OrchError;
 use parking_lot::RwLock;
@@ -15,10 +15,10 @@ pub(crate) struct Registry {
     dir: PathBuf,
     sandboxes: RwLock<HashMap<String, Arc<SandboxEntry>>>,
     /// Access tokens of deleted sandboxes (envd answers "was not found" to them).
-    gone: GoneTokens,
+    gone: Recent<Access>,
     /// What the 404 of a sandbox whose VM died says (the death, where its files went);
     /// the same bounded id → text map as the tokens.
-    deaths: GoneTokens,
+    deaths: Recent<String>,
 }
 
 impl Registry {
@@ -26,8 +26,8 @@ impl Registry {
         Registry {
             dir,
             sandboxes: RwLock::new(sandboxes),
-            gone: GoneTokens::default(),
-            deaths: GoneTokens::default(),
+            gone: Recent::default(),
+            deaths: Recent::default(),
         }
     }
 
@@ -42,7 +42,7 @@ impl Registry {
             .read()
             .get(id)
             .cloned()
-            .ok_or_else(|| match self.deaths.token(id) {
+            .ok_or_else(|| match self.deaths.get(id) {
                 Some(death) => OrchError::NotFound(death),
                 None => OrchError::sandbox_not_found(id),
             })
@@ -66,7 +66,7 @@ impl Registry {
     /// Forgets a sandbox whose VM died on its own (the supervisor tears it down); its
     /// 404 says `death` from now on.
     pub fn forget_dead(&self, id: &str, death: &str) {
-        self.deaths.remember(id, death);
+        self.deaths.remember(id, death.to_string());
         if let Some(entry) = self.unregister(id) {
             entry.runtime.lock().take();
             let mut info = entry.info.lock();
@@ -78,13 +78,13 @@ impl Registry {
     pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
         let entry = self.sandboxes.write().remove(id);
         if let Some(entry) = &entry {
-            self.gone.remember(id, &entry.info.lock().envd_access_token);
+            self.gone.remember(id, Access::of(&entry.info.lock()));
         }
         entry
     }
 
-    /// The access token of a recently deleted sandbox.
-    pub fn gone_token(&self, id: &str) -> Option<String> {
-        self.gone.token(id)
+    /// What opened a recently deleted sandbox.
+    pub fn gone_access(&self, id: &str) -> Option<Access> {
+        self.gone.get(id)
     }
 }

@@ -151,6 +151,10 @@ pub struct SandboxInfo {
     /// API key opens the sandbox's envd.
     #[serde(default)]
     pub envd_access_token: String,
+    /// The secret that opens the sandbox's other ports when they are not public
+    /// (`e2b-traffic-access-token`, E2B's `trafficAccessToken`).
+    #[serde(default)]
+    pub traffic_access_token: String,
     /// Set when the sandbox's guest broke the agent protocol: its agent channel was
     /// closed, commands and file transfers fail until the sandbox is deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -175,6 +179,7 @@ impl SandboxInfo {
             host_ip,
             netns_path,
             envd_access_token: crate::util::new_secret(),
+            traffic_access_token: crate::util::new_secret(),
             guest_protocol_violation: None,
         }
     }

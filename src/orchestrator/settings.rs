@@ -44,6 +44,10 @@ pub struct SandboxSettings {
     pub image_env: Vec<(String, String)>,
     /// Whether the guest may open outbound connections.
     pub internet_access: bool,
+    /// Who may reach the guest's ports through the API port (E2B's
+    /// `network.allowPublicTraffic` and `maskRequestHost`). Records from before it: public.
+    #[serde(default)]
+    pub ingress: Ingress,
     /// Snapshot records of schema 2 stored them as `params`.
     #[serde(alias = "params")]
     pub custom_extension_params: Value,
@@ -51,6 +55,38 @@ pub struct SandboxSettings {
 
 fn full_pause() -> bool {
     true
+}
+
+/// How the guest's ports are reached from outside (docs/e2b.md, "Public ports").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ingress {
+    /// Ports other than envd's open without a credential (`allowPublicTraffic`, E2B's
+    /// default `true`); when `false` a request needs the sandbox's traffic access token.
+    pub public: bool,
+    /// The `Host` a guest port receives, `${PORT}` replaced by the port
+    /// (`maskRequestHost`); `None`: the client's own `Host`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
+}
+
+impl Default for Ingress {
+    fn default() -> Ingress {
+        Ingress {
+            public: true,
+            mask_request_host: None,
+        }
+    }
+}
+
+impl Ingress {
+    /// The `Host` that port `port` of the guest receives for a client's `host`.
+    pub fn host_for(&self, port: u16, host: &str) -> String {
+        match &self.mask_request_host {
+            Some(mask) => mask.replace("${PORT}", &port.to_string()),
+            None => host.to_string(),
+        }
+    }
 }
 
 /// What every create request sets (a cold start and a start from a snapshot), checked
@@ -65,6 +101,7 @@ pub struct SandboxRequest {
     pub env_vars: BTreeMap<String, String>,
     /// `None`: the server default (`[network] outbound`).
     pub allow_internet_access: Option<bool>,
+    pub ingress: Ingress,
 }
 
 impl SandboxRequest {
@@ -94,5 +131,20 @@ mod tests {
         let back = serde_json::to_value(&s).unwrap();
         assert_eq!(back["templateId"], "tpl");
         assert_eq!(back["memoryMb"], 256);
+        assert_eq!(s.ingress, Ingress::default(), "old records: public ports");
+    }
+
+    #[test]
+    fn masked_hosts() {
+        let open = Ingress::default();
+        assert_eq!(
+            open.host_for(8080, "8080-x.example.com"),
+            "8080-x.example.com"
+        );
+        let masked = Ingress {
+            public: false,
+            mask_request_host: Some("${PORT}-app.example.com".into()),
+        };
+        assert_eq!(masked.host_for(3000, "ignored"), "3000-app.example.com");
     }
 }

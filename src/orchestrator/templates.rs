@@ -712,6 +712,7 @@ fn build(
         env_vars: req.env_vars.clone(),
         image_env: image.env.clone(),
         internet_access: shared.config.network.outbound,
+        ingress: Default::default(),
         custom_extension_params: serde_json::json!({}),
     };
     // The build VM's RAM lives in the template's directory: its capture then holds only

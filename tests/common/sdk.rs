@@ -37,8 +37,20 @@ pub fn sdk_tools() -> (String, String) {
 /// Runs `tests/sdk/<script>` with the SDK pointed at `s` (and, for JS, the SDK module
 /// in `AENV_E2B_JS`); asserts it succeeded and returns its `ok ...` lines.
 pub fn run_sdk(s: &Server, program: &str, script: &str, js_module: Option<&str>) -> Vec<String> {
+    run_sdk_with(s, program, script, js_module, &[])
+}
+
+/// [`run_sdk`] with extra environment variables for the script.
+pub fn run_sdk_with(
+    s: &Server,
+    program: &str,
+    script: &str,
+    js_module: Option<&str>,
+    env: &[(&str, &str)],
+) -> Vec<String> {
     let script = format!("{}/tests/sdk/{script}", env!("CARGO_MANIFEST_DIR"));
     let mut cmd = std::process::Command::new(program);
+    cmd.envs(env.iter().copied());
     cmd.arg(&script)
         .env("E2B_API_URL", &s.base)
         .env("E2B_SANDBOX_URL", &s.base)

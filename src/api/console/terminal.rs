@@ -351,12 +351,14 @@ fn open_stream(
     let outgoing = Outgoing {
         method: "POST",
         target: "/process.Process/Start",
+        host: "envd",
         headers: &headers,
         body: Framing::Length(body.len() as u64),
+        upgrade: None,
     };
     conn.send(&outgoing, &mut &body[..])
         .map_err(|e| e.to_string())?;
-    let mut answer = conn.answer().map_err(|e| e.to_string())?;
+    let mut answer = conn.answer(false).map_err(|e| e.to_string())?;
     if answer.status != 200 {
         return Err(format!(
             "envd refused the terminal (HTTP {})",

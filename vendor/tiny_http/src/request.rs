@@ -105,6 +105,36 @@ impl<R> Drop for NotifyOnDrop<R> {
     }
 }
 
+/// agentenv patch: tells the connection thread, once, that an upgraded connection is done.
+struct Released(Sender<()>);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+/// One direction of an upgraded connection; the last half dropped releases it.
+struct HalfOf<T> {
+    _released: Arc<Released>,
+    inner: T,
+}
+
+impl<T: Read> Read for HalfOf<T> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl<T: Write> Write for HalfOf<T> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// Error that can happen when building a `Request` object.
 #[derive(Debug)]
 pub enum RequestCreationError {
@@ -369,6 +399,43 @@ impl Request {
             Box::new(stream) as Box<dyn ReadWrite + Send>
         } else {
             Box::new(stream) as Box<dyn ReadWrite + Send>
+        }
+    }
+
+    /// agentenv patch: [`Request::upgrade`] with the two directions apart, so that two
+    /// threads can relay them at once (a byte tunnel). The answer is written and flushed
+    /// first (its error is returned); the connection is released when both halves are
+    /// dropped.
+    pub fn upgrade_split<R: Read>(
+        mut self,
+        protocol: &str,
+        response: Response<R>,
+    ) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+        let writer = self.response_writer.as_mut().unwrap();
+        response.raw_print(
+            writer.by_ref(),
+            self.http_version.clone(),
+            &self.headers,
+            false,
+            Some(protocol),
+        )?;
+        writer.flush()?;
+        let reader = self.extract_reader_impl();
+        let writer = self.extract_writer_impl();
+        match self.notify_when_responded.take() {
+            Some(sender) => {
+                let released = Arc::new(Released(sender));
+                let reader = HalfOf {
+                    _released: released.clone(),
+                    inner: reader,
+                };
+                let writer = HalfOf {
+                    _released: released,
+                    inner: writer,
+                };
+                Ok((Box::new(reader), Box::new(writer)))
+            }
+            None => Ok((reader, writer)),
         }
     }
 
