@@ -191,6 +191,7 @@ fn control_plane_and_envd_routing(s: &Server) {
     assert_eq!(v["envdAccessToken"], token.as_str());
     let (code, _) = envd(s, "GET", "/health", &by_header);
     assert_eq!(code, 200, "the resumed guest answers again");
+    sandbox_logs(s, &id);
 
     // Killed: "was not found" for the token holder (the SDK's is_running() is false).
     assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
@@ -210,4 +211,45 @@ fn control_plane_and_envd_routing(s: &Server) {
         Some(json!({})),
     );
     assert_eq!(code, 404);
+}
+
+/// `GET /v2/sandboxes/{id}/logs`: what happened to the sandbox, and what its guest wrote
+/// on its console, in E2B's schema, with its filters.
+fn sandbox_logs(s: &Server, id: &str) {
+    sh(s, id, "echo console-marker-42 > /dev/console");
+    let (code, v) = s.call("GET", &format!("/v2/sandboxes/{id}/logs"), None);
+    assert_eq!(code, 200, "{v}");
+    let logs = v["logs"].as_array().unwrap();
+    let ops: Vec<&str> = logs
+        .iter()
+        .filter(|e| e["fields"]["source"] == "agentenv")
+        .map(|e| e["fields"]["operation"].as_str().unwrap())
+        .collect();
+    assert_eq!(ops, ["create", "pause", "resume"], "{v}");
+    assert!(
+        logs.iter().all(|e| e["level"] == "info"
+            && e["timestamp"].as_str().unwrap().ends_with('Z')
+            && e["message"].is_string()),
+        "{v}"
+    );
+    let (_, found) = s.call(
+        "GET",
+        &format!("/v2/sandboxes/{id}/logs?search=console-marker-42"),
+        None,
+    );
+    let found = found["logs"].as_array().unwrap();
+    assert_eq!(found.len(), 1, "the guest's console line: {found:?}");
+    assert_eq!(found[0]["fields"]["source"], "console");
+    let (_, last) = s.call(
+        "GET",
+        &format!("/v2/sandboxes/{id}/logs?direction=backward&limit=1&search=resumed"),
+        None,
+    );
+    assert_eq!(last["logs"][0]["message"], "resumed", "{last}");
+    let (_, none) = s.call("GET", &format!("/v2/sandboxes/{id}/logs?level=warn"), None);
+    assert_eq!(none["logs"], json!([]), "nothing failed: {none}");
+    for bad in ["limit=0", "limit=1001", "direction=up", "level=loud", "cursor=x"] {
+        let (code, v) = s.call("GET", &format!("/v2/sandboxes/{id}/logs?{bad}"), None);
+        assert_eq!(code, 400, "{bad}: {v}");
+    }
 }

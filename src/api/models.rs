@@ -186,6 +186,22 @@ pub fn catalog_template(
     })
 }
 
+/// One sandbox log entry in E2B's `SandboxLogEntry` shape.
+pub fn log_entry(e: &crate::orchestrator::sandbox_log::LogEntry) -> Value {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(e.at_unix_ms);
+    let fields: serde_json::Map<String, Value> = e
+        .fields
+        .iter()
+        .map(|(k, v)| (k.to_string(), Value::from(v.as_str())))
+        .collect();
+    json!({
+        "timestamp": rfc3339(at),
+        "message": e.message,
+        "level": e.level.as_str(),
+        "fields": fields,
+    })
+}
+
 /// One guest sample in E2B's `SandboxMetric` shape.
 pub fn sandbox_metric(s: &GuestSample) -> Value {
     let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(s.at_unix_ms);

@@ -150,6 +150,9 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/sandboxes/{sandboxID}/logs", Quick, |ctx, _, t| {
         console_log(ctx, t.var, t.query)
     }),
+    r(Get, "/v2/sandboxes/{sandboxID}/logs", Quick, |ctx, _, t| {
+        sandbox_log(ctx, t.var, t.query)
+    }),
     r(
         Get,
         "/sandboxes/{sandboxID}/custom-extension-params",
@@ -1163,6 +1166,71 @@ fn sandbox_metrics(ctx: &Context, id: &str, query_string: &str) -> Result<Reply,
     let samples = ctx.orchestrator.sandbox_metrics(id, start, end)?;
     let body: Vec<Value> = samples.iter().map(models::sandbox_metric).collect();
     Ok(Reply::json(200, Value::Array(body)))
+}
+
+/// Entries one `GET /v2/sandboxes/{id}/logs` returns at most (E2B's default limit).
+const MAX_LOG_ENTRIES: usize = 1000;
+/// The longest `search` text.
+const MAX_LOG_SEARCH: usize = 256;
+
+/// `GET /v2/sandboxes/{id}/logs?cursor=&limit=&direction=&level=&search=` (E2B's
+/// sandbox logs, api.md §4.26): `{"logs": [{timestamp, message, level, fields}]}`.
+fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
+    use crate::orchestrator::sandbox_log::{LogLevel, LogQuery};
+    let id = checked_id(id)?;
+    let pairs = query::parse(query_string);
+    let cursor = query::get(&pairs, "cursor")
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                ApiError::bad_request(format!("cursor must be unix milliseconds (got {v:?})"))
+            })
+        })
+        .transpose()?;
+    let limit = match query::get(&pairs, "limit") {
+        None => MAX_LOG_ENTRIES,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_LOG_ENTRIES).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "limit must be within 1..={MAX_LOG_ENTRIES} (got {v:?})"
+                ))
+            })?,
+    };
+    let backward = match query::get(&pairs, "direction") {
+        None | Some("forward") => false,
+        Some("backward") => true,
+        Some(v) => {
+            return Err(ApiError::bad_request(format!(
+                "direction must be forward or backward (got {v:?})"
+            )))
+        }
+    };
+    let min_level = match query::get(&pairs, "level") {
+        None => LogLevel::Debug,
+        Some(v) => LogLevel::parse(v).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "level must be debug, info, warn or error (got {v:?})"
+            ))
+        })?,
+    };
+    let search = query::get(&pairs, "search").map(str::to_string);
+    if search.as_ref().is_some_and(|s| s.len() > MAX_LOG_SEARCH) {
+        return Err(ApiError::bad_request(format!(
+            "search must be at most {MAX_LOG_SEARCH} bytes"
+        )));
+    }
+    let q = LogQuery {
+        cursor,
+        limit,
+        backward,
+        min_level,
+        search,
+    };
+    let entries = ctx.orchestrator.sandbox_log(id, &q)?;
+    let logs: Vec<Value> = entries.iter().map(models::log_entry).collect();
+    Ok(Reply::json(200, json!({ "logs": logs })))
 }
 
 /// Sandboxes one call may ask about (E2B's limit).

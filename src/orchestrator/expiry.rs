@@ -107,7 +107,13 @@ pub(crate) fn tick(
                 };
                 backoff.lock().done(&id, result.is_ok(), SystemTime::now());
                 match result {
-                    Ok(what) => log::info!("sandboxId={id} op=expire result={what}"),
+                    Ok(what) => {
+                        if let Ok(entry) = registry.entry(&id) {
+                            let level = super::sandbox_log::LogLevel::Info;
+                            entry.log.event(level, "pause", "paused by its timeout");
+                        }
+                        log::info!("sandboxId={id} op=expire result={what}")
+                    }
                     Err(e) => {
                         log::warn!("sandboxId={id} op=expire error=\"{e}\" (retried with backoff)")
                     }

@@ -6,7 +6,8 @@
 //! timeout, and keeps the answers in the sandbox's [`MetricsRing`] (at most
 //! [`MAX_SAMPLES`], the oldest dropped first). The samples live as long as the sandbox's
 //! entry, across pauses; a server restart forgets them. Timestamps are the host's clock,
-//! which is what a client's `start`/`end` refer to.
+//! which is what a client's `start`/`end` refer to. The same round takes each running
+//! guest's new console lines into its log ([`super::sandbox_log`]).
 
 use super::registry::Registry;
 use super::sandbox::SandboxEntry;
@@ -140,11 +141,17 @@ pub(crate) fn spawn(registry: Weak<Registry>, interval: Duration, agent_port: u1
             let Some(registry) = registry.upgrade() else {
                 return;
             };
-            let entries = registry.entries();
-            drop(registry);
-            for entry in entries {
+            for entry in registry.entries() {
                 sample_entry(&entry, agent_port);
+                // The console's new lines go to the sandbox's log while it runs.
+                if entry.guest_agent_addr(agent_port).is_some() {
+                    let id = entry.info.lock().id.clone();
+                    entry
+                        .log
+                        .read_console(&registry.dir(&id).join("console.log"));
+                }
             }
+            drop(registry);
         })
         .expect("spawn sandbox-metrics thread");
 }

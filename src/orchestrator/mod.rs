@@ -25,6 +25,7 @@ mod operations;
 mod records;
 mod registry;
 mod sandbox;
+pub mod sandbox_log;
 mod settings;
 mod sides;
 mod snapshots;
@@ -240,6 +241,9 @@ impl Orchestrator {
         let result =
             operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req);
         self.shared.operations.record("create_cold", result.is_ok());
+        if let Ok(info) = &result {
+            self.log_event(&info.id, "create", &Ok(()), "sandbox created from an image");
+        }
         result
     }
 
@@ -308,6 +312,17 @@ impl Orchestrator {
         let entry = self.entry(id)?;
         admit(&entry, id, Call::Timeout)?;
         extend_expiry(&entry, secs, shorten);
+        let how = if shorten {
+            "set to"
+        } else {
+            "extended to at least"
+        };
+        self.log_event(
+            id,
+            "timeout",
+            &Ok(()),
+            &format!("timeout {how} {secs} s from now"),
+        );
         Ok(())
     }
 
@@ -320,6 +335,7 @@ impl Orchestrator {
         let result = operations::resume(&shared.registry, &shared.launcher, id, secs, is_connect);
         if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
             self.shared.operations.record("resume", result.is_ok());
+            self.log_event(id, "resume", &result, "resumed");
         }
         result
     }
@@ -329,6 +345,7 @@ impl Orchestrator {
         self.refuse_when_shutting_down()?;
         let result = operations::pause(&self.shared.registry, id, StopReason::Pause);
         self.shared.operations.record("pause", result.is_ok());
+        self.log_event(id, "pause", &result, "paused");
         result
     }
 
@@ -338,6 +355,11 @@ impl Orchestrator {
         let shared = &self.shared;
         let result = operations::snapshot(&shared.registry, &shared.snapshots, id, name);
         self.shared.operations.record("snapshot", result.is_ok());
+        let taken = match &result {
+            Ok(r) => format!("snapshot {} taken", r.id),
+            Err(_) => String::new(),
+        };
+        self.log_event(id, "snapshot", &result, &taken);
         result
     }
 
@@ -513,6 +535,10 @@ impl Orchestrator {
         self.refuse_when_shutting_down()?;
         let result = self.create_from_snapshot_inner(req);
         self.shared.operations.record("create", result.is_ok());
+        if let Ok(info) = &result {
+            let from = format!("sandbox created from {}", info.settings.template_id);
+            self.log_event(&info.id, "create", &Ok(()), &from);
+        }
         result
     }
 
@@ -597,7 +623,49 @@ impl Orchestrator {
             timeout_secs,
         );
         self.shared.operations.record("fork", result.is_ok());
+        if let Ok(forks) = &result {
+            let n = forks.iter().filter(|f| f.is_ok()).count();
+            self.log_event(
+                id,
+                "fork",
+                &Ok(()),
+                &format!("forked into {n} of {count} sandboxes"),
+            );
+        }
         result
+    }
+
+    /// Notes an operation's outcome in the sandbox's log ([`sandbox_log`]).
+    fn log_event<T>(&self, id: &str, op: &'static str, result: &Result<T, OrchError>, done: &str) {
+        let Ok(entry) = self.entry(id) else {
+            return;
+        };
+        match result {
+            Ok(_) => entry.log.event(sandbox_log::LogLevel::Info, op, done),
+            Err(e) => entry.log.event(
+                sandbox_log::LogLevel::Warn,
+                op,
+                &format!("{op} failed: {e}"),
+            ),
+        }
+    }
+
+    /// A visible sandbox's log entries (api.md §4.26).
+    pub fn sandbox_log(
+        &self,
+        id: &str,
+        query: &sandbox_log::LogQuery,
+    ) -> Result<Vec<sandbox_log::LogEntry>, OrchError> {
+        let entry = self.entry(id)?;
+        if entry
+            .guest_agent_addr(self.shared.config.agent.port)
+            .is_some()
+        {
+            entry
+                .log
+                .read_console(&self.shared.registry.dir(id).join("console.log"));
+        }
+        Ok(entry.log.query(query))
     }
 
     /// Whether a custom extension is configured.

@@ -267,6 +267,8 @@ pub struct SandboxEntry {
     patches_done: Condvar,
     /// What the guest saw of its CPU, memory and disk, sampled while it ran.
     pub metrics: super::guest_metrics::MetricsRing,
+    /// What happened to it and what its guest wrote on its console.
+    pub log: super::sandbox_log::SandboxLog,
 }
 
 impl SandboxEntry {
@@ -282,6 +284,7 @@ impl SandboxEntry {
             patches: Mutex::new(0),
             patches_done: Condvar::new(),
             metrics: Default::default(),
+            log: Default::default(),
         }
     }
 
