@@ -87,6 +87,9 @@ pub struct TemplatesConfig {
     pub build_timeout_secs: u64,
     /// Largest files upload of a template build (`PUT` of a COPY step's tar).
     pub max_upload_bytes: u64,
+    /// Build the SDKs' default template `base` from the built-in image at startup, in the
+    /// background, when no template has that name.
+    pub build_base: bool,
 }
 
 /// `[custom_extension]` (custom-extension.md §1). `url` unset, empty or whitespace-only
@@ -493,6 +496,11 @@ impl Config {
                 "AENV_LISTEN_ADDR" if !v.is_empty() => self.server.listen = v.clone(),
                 "AENV_API_KEY" if !v.is_empty() => self.server.api_key = Some(v.clone()),
                 "AENV_STATE_DIR" if !v.is_empty() => self.server.state_dir = PathBuf::from(v),
+                "AENV_TEMPLATES_BUILD_BASE" => match v.as_str() {
+                    "true" | "1" => self.templates.build_base = true,
+                    "false" | "0" => self.templates.build_base = false,
+                    _ => {}
+                },
                 // Set but blank still wins: it disables the extension (custom-extension.md §1.3).
                 "AENV_CUSTOM_EXTENSION_URL" => {
                     self.custom_extension.url = Some(v.clone());

@@ -84,7 +84,11 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     kill_leftover_vms(&config.server.state_dir);
     let server_config = config.server.clone();
     let shutdown_timeout = config.server.shutdown_timeout_secs;
+    let build_base = config.templates.build_base;
     let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
+    if build_base {
+        orchestrator.ensure_base_template();
+    }
     let api = ApiServer::start(
         &server_config,
         Context::new(

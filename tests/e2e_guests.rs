@@ -2,7 +2,8 @@
 //! (scripts/build-debian-image.sh, debootstrap, cached) goes through the local test
 //! registry into a cold-started sandbox, which the python SDK then drives as E2B's
 //! default account `user` (tests/sdk/guest_user.py): provisioned at boot, with its own
-//! file permissions and passwordless sudo.
+//! file permissions and passwordless sudo. The same server builds the default template
+//! `base` at startup (`[templates] build_base`), which a bare `Sandbox.create()` uses.
 
 mod common;
 
@@ -10,6 +11,7 @@ use common::registry::{Auth, TestRegistry};
 use common::sdk::{finish, sdk_tools};
 use common::*;
 use serde_json::json;
+use std::time::Duration;
 
 /// Debian 12 from the test registry cold-starts, runs its own python3, and is an E2B
 /// guest: the account `user`, sudo, the hostname in /etc/hosts, file permissions.
@@ -18,7 +20,8 @@ fn debian_image_from_the_registry_runs_python() {
     let image = debian_image();
     let registry = TestRegistry::start(Auth::Anonymous);
     let reference = registry.push_layout(&format!("{image}:12"), "debian", "12");
-    let server = Server::start("");
+    let mut server = Server::configure(&scratch_dir(), &[], "");
+    server.spawn_with_env(&[("AENV_TEMPLATES_BUILD_BASE", "true")]);
     let created = server.create(json!({"image": reference, "timeout": 300}));
     let id = id_of(&created);
     let v = server.exec(
@@ -38,6 +41,16 @@ fn debian_image_from_the_registry_runs_python() {
         "user:x:1000:1000:user:/home/user:/bin/bash\nuser 755\nuser ALL=(ALL:ALL) NOPASSWD: ALL\n1\n",
         "{v}"
     );
+    // Built from the built-in image in the background since startup.
+    let built = wait_until(Duration::from_secs(300), || {
+        server.call("GET", "/templates/base", None).1["buildStatus"] == "ready"
+    });
+    let (_, base) = server.call("GET", "/templates/base", None);
+    assert!(
+        built,
+        "the default template was not built: {base}\n{}",
+        server.log()
+    );
     let (python, _) = sdk_tools();
     let script = format!("{}/tests/sdk/guest_user.py", env!("CARGO_MANIFEST_DIR"));
     let mut cmd = std::process::Command::new(&python);
@@ -46,6 +59,7 @@ fn debian_image_from_the_registry_runs_python() {
         .env("E2B_SANDBOX_URL", &server.base)
         .env("E2B_API_KEY", API_KEY)
         .env("AENV_SANDBOX_ID", &id)
+        .env("AENV_DEFAULT_TEMPLATE", "1")
         .env("PYTHONUNBUFFERED", "1")
         .env_remove("E2B_DOMAIN");
     let lines = finish(&server, &script, cmd);

@@ -184,6 +184,8 @@ impl BenchServer {
             .args(["serve", "--config"])
             .arg(&config)
             .env("RUST_LOG", "info")
+            // No background build of the default template while measuring.
+            .env("AENV_TEMPLATES_BUILD_BASE", "false")
             .env_remove("AENV_CUSTOM_EXTENSION_URL")
             .env_remove("AENV_CUSTOM_EXTENSION_AUTH_TOKEN")
             .stdin(Stdio::null())

@@ -499,6 +499,12 @@ impl Orchestrator {
         templates::remove_tags(&self.shared, name, tags)
     }
 
+    /// At startup: builds the default template `base` in the background when none exists
+    /// (`[templates] build_base`).
+    pub fn ensure_base_template(&self) {
+        templates::ensure_base(&self.shared);
+    }
+
     /// `POST /templates`: 202 with the build, which goes on in the background.
     pub fn submit_template(&self, req: TemplateRequest) -> Result<TemplateBuild, OrchError> {
         self.refuse_when_shutting_down()?;

@@ -340,6 +340,43 @@ fn save(dir: &std::path::Path, b: &TemplateBuild) -> Result<(), OrchError> {
         .map_err(|e| OrchError::Internal(e.to_string()))
 }
 
+/// The E2B SDKs' default template.
+pub const BASE_TEMPLATE: &str = "base";
+
+/// At startup (`[templates] build_base`): builds `base` from the built-in image in the
+/// background unless a template (or a build under way) already has the name.
+pub(crate) fn ensure_base(shared: &Arc<Shared>) {
+    if shared.catalog.find(BASE_TEMPLATE).is_some()
+        || shared.snapshots.lookup(BASE_TEMPLATE).is_some()
+    {
+        return;
+    }
+    let vm = &shared.config.vm;
+    let image = format!("oci:{}", vm.assets_dir.join("base-image").display());
+    let req = TemplateRequest {
+        name: BASE_TEMPLATE.into(),
+        image: image.clone(),
+        resources: super::settings::Resources {
+            cpu_count: vm.default_cpu_count,
+            memory_mb: vm.default_memory_mb,
+            disk_size_mb: vm.default_disk_size_mb,
+        },
+        start_cmd: None,
+        env_vars: BTreeMap::new(),
+        catalog: None,
+    };
+    match submit(shared, req) {
+        Ok(b) => log::info!(
+            "templateId={} op=template_build name={BASE_TEMPLATE} image={image} \
+             result=queued reason=\"no template named {BASE_TEMPLATE}\"",
+            b.id
+        ),
+        // Reserved meanwhile (a build record): nothing to do.
+        Err(OrchError::Conflict(_)) => {}
+        Err(e) => log::warn!("op=template_build name={BASE_TEMPLATE} error=\"{e}\""),
+    }
+}
+
 /// `POST /templates`: registers the build (`waiting`) and starts it in the background.
 pub(crate) fn submit(
     shared: &Arc<Shared>,

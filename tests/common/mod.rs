@@ -144,6 +144,8 @@ pool_min = 1
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")
+            // A test that wants the default template built at startup says so.
+            .env("AENV_TEMPLATES_BUILD_BASE", "false")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())

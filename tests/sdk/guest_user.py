@@ -1,7 +1,8 @@
 """A distro image as an E2B guest, through the python SDK on a sandbox the test created
 (AENV_SANDBOX_ID): commands and files are the account `user` (uid 1000) in /home/user by
 default, with that user's permissions (a write to /root is the SDK's error, 403); sudo
-works without a password and answers at once; root is still reachable by name."""
+works without a password and answers at once; root is still reachable by name. With AENV_DEFAULT_TEMPLATE=1, a bare Sandbox.create()
+(the default template `base`, built by the server at startup) works too."""
 
 import os
 import time
@@ -38,6 +39,14 @@ def body():
     sbx.files.write("/root/by-root", "r", user="root")
     ok("root writes /root when asked by name", run(sbx, "cat /root/by-root", user="root") == "r")
     ok("and that file is root's", run(sbx, "stat -c %U /root/by-root", user="root") == "root")
+
+    if os.environ.get("AENV_DEFAULT_TEMPLATE") == "1":
+        fresh = Sandbox.create(timeout=60)
+        try:
+            ok("Sandbox.create() uses base", fresh.get_info().template_id is not None)
+            ok("base runs commands as user", run(fresh, "id -un") == "user")
+        finally:
+            fresh.kill()
 
 
 if __name__ == "__main__":
