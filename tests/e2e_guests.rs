@@ -66,4 +66,31 @@ fn debian_image_from_the_registry_runs_python() {
     println!("{}", lines.join("\n"));
     let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
     assert_eq!(status, 204);
+
+    // A template from the Debian image, built with the python SDK's Template builder
+    // (the busybox variant of this script runs in e2e_templates): COPY with owner and
+    // mode, RUN, ENV, WORKDIR, USER, a start command serving HTTP with python3.
+    let script = format!("{}/tests/sdk/template_build.py", env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(&script)
+        .env("E2B_API_URL", &server.base)
+        .env("E2B_SANDBOX_URL", &server.base)
+        .env("E2B_API_KEY", API_KEY)
+        .env("PYTHONUNBUFFERED", "1")
+        .env("AENV_TEST_IMAGE", &reference)
+        .env("AENV_TEST_ALIAS", "debian-app")
+        .env(
+            "AENV_TEST_SERVE",
+            "mkdir -p /tmp/www && echo served > /tmp/www/index.html && cd /tmp/www && \
+             exec python3 -m http.server 8080",
+        )
+        .env("AENV_TEST_FETCH", "curl -s http://127.0.0.1:8080/")
+        .env(
+            "AENV_TEST_SERVED_WAIT",
+            "for i in $(seq 150); do curl -sf http://127.0.0.1:8080/ >/dev/null && break; \
+             sleep 0.2; done; ",
+        )
+        .env_remove("E2B_DOMAIN");
+    let lines = finish(&server, &script, cmd);
+    println!("{}", lines.join("\n"));
 }

@@ -248,7 +248,13 @@ fn sandbox_logs(s: &Server, id: &str) {
     assert_eq!(last["logs"][0]["message"], "resumed", "{last}");
     let (_, none) = s.call("GET", &format!("/v2/sandboxes/{id}/logs?level=warn"), None);
     assert_eq!(none["logs"], json!([]), "nothing failed: {none}");
-    for bad in ["limit=0", "limit=1001", "direction=up", "level=loud", "cursor=x"] {
+    for bad in [
+        "limit=0",
+        "limit=1001",
+        "direction=up",
+        "level=loud",
+        "cursor=x",
+    ] {
         let (code, v) = s.call("GET", &format!("/v2/sandboxes/{id}/logs?{bad}"), None);
         assert_eq!(code, 400, "{bad}: {v}");
     }

@@ -19,6 +19,9 @@ SERVE = os.environ.get(
     "AENV_TEST_SERVE", "mkdir -p /tmp/www && echo served > /tmp/www/index.html && httpd -f -p 8080 -h /tmp/www"
 )
 FETCH = os.environ.get("AENV_TEST_FETCH", "wget -q -O- http://127.0.0.1:8080/")
+# Shell run before the start command marks itself started (e.g. a bounded wait until the
+# server answers, for a server slower to start than busybox httpd).
+SERVED_WAIT = os.environ.get("AENV_TEST_SERVED_WAIT", "")
 
 
 def context():
@@ -46,7 +49,7 @@ def template(ctx, last_step):
         .run_cmd('echo "$GREETING $BUILD_SECRET" > stamp && cat /proc/sys/kernel/random/uuid > stamp-early && pwd > wd')
         .set_user("user")
         .run_cmd(last_step)
-        .set_start_cmd(f"{SERVE} & touch /tmp/started; wait", wait_for_file("/tmp/started"))
+        .set_start_cmd(f"{SERVE} & {SERVED_WAIT}touch /tmp/started; wait", wait_for_file("/tmp/started"))
     )
 
 
