@@ -1,7 +1,9 @@
 //! End-to-end, issue 19 items 3 and 5 with the real python SDK against real VMs of the
 //! Debian 12 test image: public ports by both addressings, `allowPublicTraffic: false`
 //! with the traffic token, `maskRequestHost`, a WebSocket echo through the proxy's
-//! tunnel and its idle limit (tests/sdk/ports.py, guest side tests/sdk/ports_guest.py).
+//! tunnel and its idle limit (tests/sdk/ports.py, guest side tests/sdk/ports_guest.py);
+//! signed file URLs fetched with no header, then tampered and expired, logging nothing
+//! secret (tests/sdk/signed_urls.py).
 //! One server and one template build (one cold boot) serve every script.
 
 mod common;
@@ -60,7 +62,29 @@ fn public_ports_and_tunnels_with_the_sdk() {
     );
     let checks = calls.iter().filter(|l| l.contains(": ok ")).count();
     assert!(checks >= 40, "every check ran: {calls:?}");
+    let started = std::time::Instant::now();
+    let signed = run_sdk_with(&s, &python, "signed_urls.py", None, &template);
+    println!(
+        "{}\nsigned_urls.py {:.1}s",
+        signed.join("\n"),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(signed.iter().filter(|l| l.contains(": ok ")).count() >= 17);
     let log = s.log();
+    let out = std::fs::read_to_string(s.state_dir.parent().unwrap().join("signed_urls.py.out"));
+    let secrets: Vec<String> = out
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("secret "))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(secrets.len(), 4, "the script printed its URLs' signatures");
+    for secret in &secrets {
+        assert!(
+            !log.contains(secret.as_str()),
+            "the server log shows a signature"
+        );
+    }
     assert!(
         log.contains("op=tunnel") && log.contains("end=Idle"),
         "the tunnels are logged, the quiet one as idle:\n{}",

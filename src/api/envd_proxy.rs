@@ -22,6 +22,11 @@
 //! not open". Credentials and hop-by-hop headers never reach the guest; envd's port gets
 //! `Host: envd`, other ports the client's `Host` or the sandbox's `maskRequestHost`.
 //!
+//! A signed file URL (`GET`/`POST /files?…&signature=…`, `api::signed_url`) opens
+//! envd's `/files` with no header; without a sandbox in its headers (setup 1's
+//! `E2B_SANDBOX_URL`) it goes to the sandbox whose token signed it. A changed one is 401,
+//! an expired one 403.
+//!
 //! An HTTP/1.1 upgrade (WebSocket) goes to the guest as such; a `101` turns the
 //! connection into a byte tunnel (`envd::tunnel`), bounded by `[api] tunnel_idle_secs`.
 //!
@@ -29,6 +34,7 @@
 //! clone) is preceded by `POST /init` with the sandbox's environment (image env and the
 //! create's `envVars`), so that every process envd starts sees it.
 
+use super::signed_url::{Refusal, SignedUrl};
 use super::ApiError;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
 use crate::orchestrator::{Access, EnvdRoute, EnvdTarget, Orchestrator};
@@ -155,8 +161,17 @@ impl EnvdProxy {
     /// then the exchange with the guest. Blocks for as long as the exchange lasts: run it
     /// on a thread that is no API worker.
     pub fn serve(self: &Arc<Self>, request: Request) {
-        let Some(dest) = destination(&request, self.agent_port) else {
-            return answer_error(request, &ApiError::not_found("no sandbox named"));
+        let signed = SignedUrl::of(&request);
+        let dest = match destination(&request, self.agent_port) {
+            Some(dest) => dest,
+            // A signed file URL of setup 1 names no sandbox: the one whose token signed it.
+            None => match signed.as_ref().and_then(|s| self.signer_of(s)) {
+                Some(sandbox) => Destination {
+                    sandbox,
+                    port: self.agent_port,
+                },
+                None => return answer_error(request, &refused(Refusal::Mismatch)),
+            },
         };
         let route = self.orchestrator.envd_route(&dest.sandbox);
         let access = match &route {
@@ -164,9 +179,8 @@ impl EnvdProxy {
             EnvdRoute::NotRunning { access } => Some(access),
             EnvdRoute::Unknown => None,
         };
-        let envd_port = dest.port == self.agent_port;
-        if !admitted(&Credentials::of(&request), envd_port, access, &self.api_key) {
-            return answer_error(request, &unauthorized(envd_port));
+        if let Err(e) = self.gate(&request, &dest, access, signed.as_ref()) {
+            return answer_error(request, &e);
         }
         // Only admitted traffic wakes a sleeping sandbox (autoResume).
         let route = match route {
@@ -191,6 +205,37 @@ impl EnvdProxy {
             return answer_error(request, &ApiError::new(429, message));
         };
         self.forward(request, &dest, &target);
+    }
+
+    /// Lets a request in ([`admitted`]), or a signed file URL to envd's port that the
+    /// sandbox's token signed and that has not expired.
+    fn gate(
+        &self,
+        request: &Request,
+        dest: &Destination,
+        access: Option<&Access>,
+        signed: Option<&SignedUrl>,
+    ) -> Result<(), ApiError> {
+        let envd_port = dest.port == self.agent_port;
+        if admitted(&Credentials::of(request), envd_port, access, &self.api_key) {
+            return Ok(());
+        }
+        match (envd_port, signed, access) {
+            (true, Some(signed), Some(access)) => signed
+                .check(&access.envd_token, unix_now())
+                .map_err(refused),
+            _ => Err(unauthorized(envd_port)),
+        }
+    }
+
+    /// The sandbox whose envd token signed `signed` (expired or not), if any.
+    fn signer_of(&self, signed: &SignedUrl) -> Option<String> {
+        let now = unix_now();
+        self.orchestrator
+            .list()
+            .into_iter()
+            .find(|info| signed.check(&info.envd_access_token, now) != Err(Refusal::Mismatch))
+            .map(|info| info.id)
     }
 
     fn permit(self: &Arc<Self>, sandbox: &str) -> Option<StreamPermit> {
@@ -287,7 +332,7 @@ impl EnvdProxy {
 
 /// Whether `request` is for a sandbox's envd rather than the API (headers only).
 pub fn is_envd(request: &Request) -> bool {
-    destination(request, 0).is_some()
+    destination(request, 0).is_some() || SignedUrl::of(request).is_some()
 }
 
 /// The sandbox and port of an envd request: the `E2b-Sandbox-Id` header (port from
@@ -369,6 +414,24 @@ fn admitted(creds: &Credentials, envd_port: bool, access: Option<&Access>, api_k
         return true;
     }
     !envd_port && (access.ingress.public || is(creds.traffic, &access.traffic_token))
+}
+
+/// The answer to a signed file URL that does not open the file (nothing of it logged).
+fn refused(why: Refusal) -> ApiError {
+    match why {
+        Refusal::Mismatch => ApiError::new(
+            401,
+            "invalid file URL signature: the URL was changed or not signed with this sandbox's envdAccessToken",
+        ),
+        Refusal::Expired => ApiError::new(403, "the signed file URL has expired"),
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn unauthorized(envd_port: bool) -> ApiError {

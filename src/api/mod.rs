@@ -16,6 +16,7 @@ mod history;
 mod models;
 mod query;
 mod routes;
+mod signed_url;
 
 pub use error::ApiError;
 
