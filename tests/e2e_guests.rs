@@ -93,4 +93,17 @@ fn debian_image_from_the_registry_runs_python() {
         .env_remove("E2B_DOMAIN");
     let lines = finish(&server, &script, cmd);
     println!("{}", lines.join("\n"));
+
+    // The start command's server answers through the port routing on the API port.
+    let id = server.create_from("debian-app", 120);
+    let fetched = ureq::get(&format!("{}/", server.base))
+        .set("E2b-Sandbox-Id", &id)
+        .set("E2b-Sandbox-Port", "8080")
+        .set("X-API-Key", API_KEY)
+        .timeout(Duration::from_secs(30))
+        .call()
+        .map(|r| r.into_string().unwrap_or_default());
+    assert_eq!(fetched.as_deref().ok(), Some("served\n"), "{fetched:?}");
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 204);
 }
