@@ -3,7 +3,8 @@
 //! CGNAT addresses that stand for private ranges), routed from the host only while the
 //! test runs. Real guests reach it by IP and by name through the DNS forwarder; a sandbox
 //! created with `allowInternetAccess: false` does not; the host, other sandboxes and
-//! denied ranges stay refused; the choice survives pause/resume. Two cold boots.
+//! denied ranges stay refused; per-sandbox allowOut/denyOut change live with PUT; choices
+//! survive pause/resume. Two cold boots.
 
 mod common;
 
@@ -318,7 +319,82 @@ fn guests_reach_the_internet_by_default_and_nothing_of_the_host() {
     );
     assert!(code == 200 || code == 201, "{code} {v}");
     closed_is_closed(&s, &net, &closed);
-    assert_reaches(&s, &open, WEB);
+    policy_changes_live(&s, &open);
+}
+
+fn put_network(s: &Server, id: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    s.call("PUT", &format!("/sandboxes/{id}/network"), Some(body))
+}
+
+/// `PUT …/network` replaces the policy of a running guest at once (no restart: the same
+/// boot id before and after), GET shows it, it survives pause/resume, and bad entries
+/// or unbuilt fields are 400s naming them.
+fn policy_changes_live(s: &Server, id: &str) {
+    let (_, boot) = guest(s, id, "cat /proc/sys/kernel/random/boot_id");
+    let (code, v) = put_network(s, id, json!({"denyOut": ["203.0.113.0/24"]}));
+    assert_eq!(code, 204, "{v}");
+    assert_refused(s, id, WEB);
+    assert_reaches(s, id, PRIVATE_ALLOWED);
+    // Allowed entries win over denied ones.
+    let (code, v) = put_network(s, id, json!({"allowOut": [WEB], "denyOut": ["0.0.0.0/0"]}));
+    assert_eq!(code, 204, "{v}");
+    assert_reaches(s, id, WEB);
+    assert_refused(s, id, PRIVATE_ALLOWED);
+    let (_, v) = s.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(
+        v["network"]["allowOut"],
+        json!([format!("{WEB}/32")]),
+        "{v}"
+    );
+    assert_eq!(v["network"]["denyOut"], json!(["0.0.0.0/0"]), "{v}");
+    let (_, after) = guest(s, id, "cat /proc/sys/kernel/random/boot_id");
+    assert_eq!(boot, after, "the guest restarted");
+
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(code, 204, "{v}");
+    let (code, v) = s.call(
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(json!({"timeout": 600})),
+    );
+    assert!(code == 200 || code == 201, "{code} {v}");
+    assert_reaches(s, id, WEB);
+    assert_refused(s, id, PRIVATE_ALLOWED);
+
+    for (body, says) in [
+        (json!({"denyOut": ["nope"]}), "denyOut[0] \"nope\""),
+        (json!({"allowOut": ["example.com"]}), "domain entries"),
+        (json!({"rules": {"a.example.com": []}}), "field rules"),
+        (
+            json!({"egressProxy": {"address": "p:1080"}}),
+            "field egressProxy",
+        ),
+    ] {
+        let (code, v) = put_network(s, id, body.clone());
+        assert_eq!(code, 400, "{body}: {v}");
+        assert!(v["message"].as_str().unwrap().contains(says), "{body}: {v}");
+    }
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes-cold",
+        Some(json!({"image": base_image(), "network": {"httpsPorts": [3000]}})),
+    );
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("network.httpsPorts"),
+        "{v}"
+    );
+    // An empty policy opens everything the server allows again.
+    let (code, v) = put_network(s, id, json!({}));
+    assert_eq!(code, 204, "{v}");
+    assert_reaches(s, id, PRIVATE_ALLOWED);
+    assert_eq!(
+        put_network(s, "0190a0b0-0000-7000-8000-000000000000", json!({})).0,
+        404
+    );
 }
 
 fn closed_is_closed(s: &Server, net: &Internet, id: &str) {

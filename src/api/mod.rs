@@ -14,6 +14,7 @@ mod envd_proxy;
 mod error;
 mod history;
 mod models;
+mod network;
 mod query;
 mod routes;
 mod signed_url;

@@ -62,7 +62,8 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
     with_token(&mut v, info);
     v["allowInternetAccess"] = json!(info.settings.internet_access);
     let ingress = &info.settings.ingress;
-    v["network"] = json!({"allowPublicTraffic": ingress.public});
+    v["network"] = super::network::shown(&info.settings.network);
+    v["network"]["allowPublicTraffic"] = json!(ingress.public);
     if let Some(mask) = &ingress.mask_request_host {
         v["network"]["maskRequestHost"] = json!(mask);
     }

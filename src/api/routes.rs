@@ -96,6 +96,12 @@ pub static ROUTES: &[Route] = &[
         |ctx, req, t| set_timeout(ctx, req, t.var, true),
     ),
     r(
+        Put,
+        "/sandboxes/{sandboxID}/network",
+        Control,
+        |ctx, req, t| set_network(ctx, req, t.var),
+    ),
+    r(
         Post,
         "/sandboxes/{sandboxID}/refreshes",
         Control,
@@ -357,18 +363,6 @@ fn reject_unsupported(f: &Fields) -> Result<(), ApiError> {
             "extraBootArgs cannot be set by API clients; only the custom extension's start-fresh answer sets boot arguments",
         ));
     }
-    if let Some(Value::Object(net)) = f.raw("network") {
-        let non_empty = |k: &str| match net.get(k) {
-            Some(Value::Array(a)) => !a.is_empty(),
-            Some(Value::Null) | None => false,
-            Some(_) => true,
-        };
-        if non_empty("allowOut") || non_empty("denyOut") {
-            return Err(ApiError::bad_request(
-                "network.allowOut and network.denyOut are not supported; outbound access is set by [network] outbound",
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -456,6 +450,7 @@ fn create_fields(
         env_vars,
         allow_internet_access: internet_access(ctx, f)?,
         ingress: ingress_field(f)?,
+        network: super::network::create_policy(f)?,
     })
 }
 
@@ -853,6 +848,15 @@ fn set_timeout(
     }
     .unwrap_or(default);
     ctx.orchestrator.set_timeout(id, secs, shorten)?;
+    Ok(Reply::Empty(204))
+}
+
+/// `PUT /sandboxes/{id}/network` (network.md §5.6): 204 once applied.
+fn set_network(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let id = checked_id(id)?;
+    let (policy, internet) = super::network::update_policy(&f)?;
+    ctx.orchestrator.set_network(id, policy, internet)?;
     Ok(Reply::Empty(204))
 }
 

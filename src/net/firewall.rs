@@ -39,8 +39,9 @@ impl FirewallPolicy {
     }
 
     /// The outbound rules after `from` (a match on the guest's new connections): the
-    /// always-denied ranges, the denied ones unless allowed, then accept.
-    fn outbound_rules(&self, s: &mut String, from: &str) {
+    /// always-denied ranges, the denied ones unless allowed, the sandbox's own chain
+    /// (`jump`), then accept.
+    fn outbound_rules(&self, s: &mut String, from: &str, jump: Option<&str>) {
         let _ = writeln!(
             s,
             "\t\t{from} ip daddr {} drop",
@@ -56,7 +57,49 @@ impl FirewallPolicy {
                 set_of(&self.denied)
             );
         }
+        if let Some(chain) = jump {
+            let _ = writeln!(s, "\t\t{from} jump {chain}");
+        }
         let _ = writeln!(s, "\t\t{from} accept");
+    }
+}
+
+/// Most connections one guest may have tracked at once (a per-sandbox conntrack limit):
+/// beyond it new outbound connections are dropped, so a guest opening connections as fast
+/// as it can does not fill the host's table.
+pub const MAX_GUEST_CONNECTIONS: u32 = 8192;
+
+/// Name of the per-sandbox chain in the slot's table (network.md §5.6).
+const EGRESS_CHAIN: &str = "egress";
+
+/// One sandbox's own egress policy (E2B's `allowOut` / `denyOut`), applied after the
+/// server's rules: it can only narrow them. Allowed entries win over denied ones.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EgressRules {
+    pub allow: Vec<Cidr>,
+    pub deny: Vec<Cidr>,
+}
+
+impl EgressRules {
+    /// The transaction that replaces the slot's `egress` chain, atomically.
+    pub(crate) fn chain_update(&self) -> String {
+        let mut s = format!("flush chain ip agentenv {EGRESS_CHAIN}\n");
+        let add = format!("add rule ip agentenv {EGRESS_CHAIN}");
+        if !self.allow.is_empty() {
+            let _ = writeln!(
+                s,
+                "{add} ip daddr {} return",
+                set_of(&minimal_cidrs(self.allow.clone()))
+            );
+        }
+        if !self.deny.is_empty() {
+            let _ = writeln!(
+                s,
+                "{add} ip daddr {} drop",
+                set_of(&minimal_cidrs(self.deny.clone()))
+            );
+        }
+        s
     }
 }
 
@@ -116,12 +159,13 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
     );
     if p.outbound {
         let from = format!("iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new");
+        let _ = writeln!(s, "\t\t{from} ct count over {MAX_GUEST_CONNECTIONS} drop");
         if let Some(port) = p.dns_port {
             let _ = writeln!(s, "\t\t{from} ip daddr {link} udp dport {port} accept");
         }
-        p.outbound_rules(&mut s, &from);
+        p.outbound_rules(&mut s, &from, Some(EGRESS_CHAIN));
     }
-    s.push_str("\t}\n}\n");
+    let _ = write!(s, "\t}}\n\tchain {EGRESS_CHAIN} {{\n\t}}\n}}\n");
     s
 }
 
@@ -157,7 +201,7 @@ pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
     if p.outbound {
         let _ = writeln!(s, "\t\tiifname {a} ct state established,related accept");
         let _ = writeln!(s, "\t\tiifname {a} meta nfproto ipv6 drop");
-        p.outbound_rules(&mut s, &format!("iifname {a}"));
+        p.outbound_rules(&mut s, &format!("iifname {a}"), None);
     } else {
         let _ = writeln!(s, "\t\tiifname {a} drop");
     }
@@ -233,6 +277,37 @@ mod tests {
         let root = root_ruleset(&p);
         assert!(root.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } drop"));
         assert!(root.contains("ip daddr != { 10.1.0.0/16 } ip daddr { 10.0.0.0/8,"));
+    }
+
+    #[test]
+    fn egress_chain_is_replaced_in_one_transaction() {
+        let on = slot_ruleset(
+            &SlotLayout::new(
+                Path::new("/x"),
+                Cidr::parse("198.18.0.0/16").unwrap(),
+                Cidr::parse("198.19.0.0/16").unwrap(),
+                7,
+            ),
+            &policy(true),
+        );
+        let jump = on.find("ct state new jump egress").unwrap();
+        assert!(jump < on.rfind("oifname \"veth0\" ct state new accept").unwrap());
+        assert!(on.contains("ct state new ct count over 8192 drop"));
+        assert!(on.contains("\tchain egress {\n\t}\n"));
+        let r = EgressRules {
+            allow: vec![Cidr::parse("203.0.113.10/32").unwrap()],
+            deny: vec![Cidr::parse("0.0.0.0/0").unwrap()],
+        };
+        assert_eq!(
+            r.chain_update(),
+            "flush chain ip agentenv egress\n\
+             add rule ip agentenv egress ip daddr { 203.0.113.10/32 } return\n\
+             add rule ip agentenv egress ip daddr { 0.0.0.0/0 } drop\n"
+        );
+        assert_eq!(
+            EgressRules::default().chain_update(),
+            "flush chain ip agentenv egress\n"
+        );
     }
 
     #[test]

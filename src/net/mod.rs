@@ -15,6 +15,7 @@ mod slot;
 #[cfg(test)]
 mod real_tests;
 
+pub use firewall::{EgressRules, MAX_GUEST_CONNECTIONS};
 pub use layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, TAP_MAC, TAP_NAME};
 pub use manager::{SlotManager, SlotStats};
 #[cfg(test)]

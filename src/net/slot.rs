@@ -1,6 +1,6 @@
 //! Creating (network.md §3.2) and destroying (§3.3) one slot, and the public [`Slot`].
 
-use super::firewall::{slot_ruleset, FirewallPolicy};
+use super::firewall::{slot_ruleset, EgressRules, FirewallPolicy};
 use super::host::{NetHost, NsHandle, NsSnapshot};
 use super::layout::{SlotLayout, TAP_NAME, VETH_NS_NAME};
 use super::manager::Shared;
@@ -184,6 +184,17 @@ impl Slot {
         self.shared
             .host
             .load_ruleset(Some(&parts.layout.ns_path), &rule)
+    }
+
+    /// Replaces this sandbox's own egress chain atomically (network.md §5.6); the guest
+    /// and its open connections are untouched. The slot is destroyed rather than pooled
+    /// when released.
+    pub fn set_egress(&mut self, rules: &EgressRules) -> Result<(), NetError> {
+        let parts = self.parts.as_mut().expect("slot parts present until drop");
+        parts.dedicated = true;
+        self.shared
+            .host
+            .load_ruleset(Some(&parts.layout.ns_path), &rules.chain_update())
     }
 
     fn layout(&self) -> &SlotLayout {

@@ -104,6 +104,7 @@ impl Rig {
             },
             resources: settings.resources,
             internet_access,
+            egress: Default::default(),
             params: settings.custom_extension_params,
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(&self.registry, id),

@@ -23,6 +23,7 @@ pub(crate) fn settings() -> SandboxSettings {
         image_env: vec![],
         internet_access: false,
         ingress: Default::default(),
+        network: Default::default(),
         custom_extension_params: serde_json::json!({}),
     }
 }

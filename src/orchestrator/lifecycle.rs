@@ -26,7 +26,13 @@ pub(crate) enum Admitted<'a> {
 fn is_lifecycle(call: Call) -> bool {
     matches!(
         call,
-        Call::Pause | Call::Resume | Call::Connect | Call::Delete | Call::Snapshot | Call::Fork
+        Call::Pause
+            | Call::Resume
+            | Call::Connect
+            | Call::Delete
+            | Call::Snapshot
+            | Call::Fork
+            | Call::Network
     )
 }
 

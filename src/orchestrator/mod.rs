@@ -44,7 +44,7 @@ pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
-pub use settings::{Ingress, Resources, SandboxRequest, SandboxSettings};
+pub use settings::{Ingress, NetworkPolicy, Resources, SandboxRequest, SandboxSettings};
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
@@ -326,6 +326,51 @@ impl Orchestrator {
         Ok(())
     }
 
+    /// `PUT …/network` (network.md §5.6): replaces the sandbox's egress policy, applied at
+    /// once to a running sandbox's slot and kept in its settings (a paused one gets it on
+    /// resume). `allow_internet` `true` cannot reopen a sandbox created without access.
+    pub fn set_network(
+        &self,
+        id: &str,
+        policy: NetworkPolicy,
+        allow_internet: Option<bool>,
+    ) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        let entry = self.entry(id)?;
+        let _held = admit(&entry, id, Call::Network)?;
+        if allow_internet == Some(true) && !entry.info.lock().settings.internet_access {
+            return Err(OrchError::BadRequest(format!(
+                "sandbox {id} was created without internet access (allowInternetAccess: false, \
+                 or [network] outbound is off); create a new sandbox to get it"
+            )));
+        }
+        let runtime = entry.runtime.lock().clone();
+        if let Some(rt) = runtime {
+            let (reply, done) = crossbeam_channel::bounded(1);
+            let op = sandbox::Op::SetEgress {
+                rules: policy.rules(),
+                reply,
+            };
+            let applied = match rt.ops.send(op) {
+                Ok(()) => done.recv().unwrap_or_else(|_| Err("the VM is gone".into())),
+                Err(_) => Err("the VM is gone".into()),
+            };
+            applied.map_err(|e| OrchError::Internal(format!("applying the egress policy: {e}")))?;
+        }
+        let info = {
+            let mut info = entry.info.lock();
+            info.settings.network = policy;
+            info.clone()
+        };
+        let record = records::SandboxRecord {
+            info,
+            paused: entry.paused.lock().clone(),
+        };
+        records::save(&self.shared.registry.dir(id), &record)?;
+        log::info!("sandboxId={id} op=set_network result=ok");
+        Ok(())
+    }
+
     /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
     /// expiry changed, with no hooks: connect never shortens it, resume resets it. A
     /// paused one is resumed (custom-extension.md §5.5).
@@ -589,6 +634,7 @@ impl Orchestrator {
             auto_resume: req.request.auto_resume,
             internet_access: req.request.internet_access(launcher.outbound),
             ingress: req.request.ingress,
+            network: req.request.network.clone(),
             metadata: req.request.metadata,
             env_vars,
             image_env: snap.settings.image_env.clone(),

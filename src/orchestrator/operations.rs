@@ -121,6 +121,7 @@ pub(crate) fn create_cold(
         auto_resume: req.request.auto_resume,
         internet_access: req.request.internet_access(launcher.outbound),
         ingress: req.request.ingress,
+        network: req.request.network.clone(),
         metadata: req.request.metadata,
         env_vars: req.request.env_vars,
         image_env: image.env.clone(),
@@ -138,6 +139,7 @@ pub(crate) fn create_cold(
             },
             resources: settings.resources,
             internet_access: settings.internet_access,
+            egress: settings.network.rules(),
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, &id),
@@ -364,11 +366,12 @@ fn restore_paused(
         .lock()
         .clone()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
-    let (params, internet_access, resources) = {
+    let (params, internet_access, egress, resources) = {
         let info = entry.info.lock();
         (
             info.settings.custom_extension_params.clone(),
             info.settings.internet_access,
+            info.settings.network.rules(),
             info.settings.resources,
         )
     };
@@ -396,6 +399,7 @@ fn restore_paused(
             },
             resources,
             internet_access,
+            egress,
             params,
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, id),
@@ -518,6 +522,7 @@ pub(crate) fn clone_from_capture(
             },
             resources: settings.resources,
             internet_access: settings.internet_access,
+            egress: settings.network.rules(),
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, &id),

@@ -87,6 +87,8 @@ pub enum Call {
     PatchParams,
     Timeout,
     Commands,
+    /// `PUT …/network`.
+    Network,
 }
 
 /// What to do with a call in a state.
@@ -131,6 +133,8 @@ pub fn decide(call: Call, state: SandboxState) -> Decision {
         (Commands, S::Running) => Proceed,
         (Commands, S::Snapshotting | S::Forking) => Wait,
         (Commands, _) => Conflict,
+        (Network, S::Running | S::Paused) => Proceed,
+        (Network, S::Pausing | S::Resuming | S::Snapshotting | S::Forking) => Wait,
     }
 }
 
@@ -206,6 +210,11 @@ pub enum Op {
         dir: std::path::PathBuf,
         run_on: bool,
         reply: Sender<Result<crate::vm::CaptureRecord, super::supervisor::PauseOutcome>>,
+    },
+    /// Replace the slot's egress chain (`PUT …/network`); the VM runs on untouched.
+    SetEgress {
+        rules: crate::net::EgressRules,
+        reply: Sender<Result<(), String>>,
     },
     /// Freeze the disk into `dir` (a build step's cached result); the VM runs on.
     FreezeDisk {

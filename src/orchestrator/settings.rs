@@ -48,6 +48,9 @@ pub struct SandboxSettings {
     /// `network.allowPublicTraffic` and `maskRequestHost`). Records from before it: public.
     #[serde(default)]
     pub ingress: Ingress,
+    /// The sandbox's own egress policy (`network` on create, `PUT …/network`).
+    #[serde(default)]
+    pub network: NetworkPolicy,
     /// Snapshot records of schema 2 stored them as `params`.
     #[serde(alias = "params")]
     pub custom_extension_params: Value,
@@ -102,6 +105,37 @@ pub struct SandboxRequest {
     /// `None`: the server default (`[network] outbound`).
     pub allow_internet_access: Option<bool>,
     pub ingress: Ingress,
+    pub network: NetworkPolicy,
+}
+
+/// A sandbox's egress policy as E2B's `network` object has it (network.md §5.6): entries
+/// are normalized CIDRs (`a.b.c.d/n`), checked by the API.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkPolicy {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
+    /// E2B's `dnsServers`: only meaningful with domain entries in `allowOut`, kept and
+    /// shown. `None`: E2B's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_servers: Option<Vec<String>>,
+}
+
+impl NetworkPolicy {
+    /// The rules the slot's `egress` chain gets.
+    pub fn rules(&self) -> crate::net::EgressRules {
+        let parse = |v: &[String]| {
+            v.iter()
+                .filter_map(|c| crate::config::Cidr::parse(c))
+                .collect()
+        };
+        crate::net::EgressRules {
+            allow: parse(&self.allow_out),
+            deny: parse(&self.deny_out),
+        }
+    }
 }
 
 impl SandboxRequest {

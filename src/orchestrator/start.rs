@@ -108,6 +108,8 @@ pub(crate) struct StartRequest {
     pub kind: StartKind,
     pub resources: Resources,
     pub internet_access: bool,
+    /// The sandbox's own `allowOut` / `denyOut` (network.md §5.6).
+    pub egress: crate::net::EgressRules,
     /// The params the start hook carries.
     pub params: Value,
     /// The stop reason owed to an instance whose start failed.
@@ -157,6 +159,22 @@ fn reserve(launcher: &Launcher, resources: Resources) -> Result<Reservation, Orc
     }
 }
 
+/// The sandbox's outbound choice and policy, on its new slot (network.md §5.4, §5.6).
+fn apply_egress(
+    launcher: &Launcher,
+    slot: &mut Slot,
+    internet_access: bool,
+    egress: &crate::net::EgressRules,
+) -> Result<(), crate::net::NetError> {
+    if launcher.outbound && !internet_access {
+        slot.deny_outbound()?;
+    }
+    if *egress != crate::net::EgressRules::default() {
+        slot.set_egress(egress)?;
+    }
+    Ok(())
+}
+
 /// Runs the start sequence (see the module doc). On every error nothing it made is left:
 /// no reservation, no slot, no open instance; the run dir goes when it was armed.
 pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Started, OrchError> {
@@ -166,6 +184,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
         mut kind,
         resources,
         internet_access,
+        egress,
         params,
         failed_reason,
         watch,
@@ -188,8 +207,8 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             (reservation, launcher.net.acquire()?, None)
         }
     };
-    if launcher.outbound && !internet_access {
-        if let Err(e) = slot.deny_outbound() {
+    if let Err(e) = apply_egress(launcher, &mut slot, internet_access, &egress) {
+        {
             if let Some(vm) = prepared {
                 vm.kill();
             }

@@ -564,6 +564,13 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     }
                 }
             }
+            Ok(Op::SetEgress { rules, reply }) => {
+                let applied = match runtime.slot.as_mut() {
+                    Some(slot) => slot.set_egress(&rules).map_err(|e| e.to_string()),
+                    None => Err("the sandbox has no network slot".to_string()),
+                };
+                let _ = reply.send(applied);
+            }
             Ok(Op::FreezeDisk { dir, reply }) => {
                 let frozen = match runtime.vm.disk_chain_depth() {
                     Ok(d) if d + 2 >= vm::MAX_CHAIN_LAYERS => {

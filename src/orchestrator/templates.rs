@@ -750,6 +750,7 @@ fn build(
         image_env: image.env.clone(),
         internet_access: shared.config.network.outbound,
         ingress: Default::default(),
+        network: Default::default(),
         custom_extension_params: serde_json::json!({}),
     };
     // The build VM's RAM lives in the template's directory: its capture then holds only
@@ -789,6 +790,7 @@ fn build(
         },
         resources: settings.resources,
         internet_access: settings.internet_access,
+        egress: settings.network.rules(),
         params: settings.custom_extension_params.clone(),
         failed_reason: StopReason::TemplateBuild,
         // Never registered: nothing to forget or mark.
