@@ -250,6 +250,9 @@ pub struct ServerConfig {
     pub body_timeout_secs: u64,
     pub write_timeout_secs: u64,
     pub shutdown_timeout_secs: u64,
+    /// Free space (MiB) kept on the state dir's filesystem: below it creates, resumes,
+    /// snapshots and builds answer 507 up front (operations.md §10.2).
+    pub disk_reserve_mb: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

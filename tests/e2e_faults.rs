@@ -9,7 +9,16 @@ use common::extension::Extension;
 use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// One server at a time: a host runs one agentenv.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn metric(s: &Server, line_start: &str) -> Option<f64> {
     let text = ureq::get(&format!("{}/metrics", s.base))
@@ -37,6 +46,7 @@ fn quarantined(s: &Server) -> Vec<PathBuf> {
 
 #[test]
 fn a_vm_that_dies_is_stopped_and_quarantined() {
+    let _serial = serial();
     let ext = Extension::start();
     let mut s = Server::start(&format!(
         "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
@@ -125,4 +135,336 @@ fn assert_backing_chain_resolves(disk: &Path) {
     let chain: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let chain = chain.as_array().unwrap();
     assert!(chain.len() >= 2, "an overlay over its base: {chain:?}");
+}
+
+/// An ext4 filesystem in a sparse image file, loop-mounted at `dir` for one test; always
+/// unmounted and detached on drop, also when the test panics.
+struct LoopFs {
+    image: PathBuf,
+    device: String,
+    dir: PathBuf,
+}
+
+impl LoopFs {
+    fn new(dir: &Path, size_mb: u64) -> LoopFs {
+        let image = std::env::temp_dir().join(format!(
+            "aenv-loopfs-{}-{}.img",
+            std::process::id(),
+            dir.file_name().unwrap().to_string_lossy()
+        ));
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(size_mb << 20)
+            .unwrap();
+        run(
+            "mkfs.ext4",
+            &["-q", "-F", "-m", "0", image.to_str().unwrap()],
+        );
+        let device = run("losetup", &["--find", "--show", image.to_str().unwrap()])
+            .trim()
+            .to_string();
+        let fs = LoopFs {
+            image,
+            device,
+            dir: dir.to_path_buf(),
+        };
+        std::fs::create_dir_all(dir).unwrap();
+        run("mount", &[&fs.device, dir.to_str().unwrap()]);
+        fs
+    }
+
+    /// Free bytes now (as the server sees them).
+    fn free(&self) -> u64 {
+        let out = run("df", &["-B1", "--output=avail", self.dir.to_str().unwrap()]);
+        out.lines().nth(1).unwrap().trim().parse().unwrap()
+    }
+
+    /// Fills the filesystem with `<dir>/filler-N` until `leave` bytes are free (or none
+    /// are left): fallocate for the bulk, written blocks for the rest.
+    fn fill_to(&self, leave: u64, n: u32) -> PathBuf {
+        let path = self.dir.join(format!("filler-{n}"));
+        // fallocate's own extent blocks come out of the free space too.
+        let bulk = self.free().saturating_sub(leave + (16 << 20));
+        let mut f = std::fs::File::create(&path).unwrap();
+        if bulk > 0 {
+            run(
+                "fallocate",
+                &["-l", &bulk.to_string(), path.to_str().unwrap()],
+            );
+        }
+        let block = vec![0u8; 64 << 10];
+        loop {
+            let over = self.free().saturating_sub(leave) as usize;
+            if over == 0 {
+                break;
+            }
+            let n = over.min(block.len());
+            let wrote = std::io::Write::write_all(&mut f, &block[..n]).and_then(|()| f.sync_all());
+            if wrote.is_err() {
+                break;
+            }
+        }
+        path
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let dir = self.dir.to_str().unwrap();
+        let unmounted = (0..50).any(|_| {
+            let ok = Command::new("umount")
+                .arg(dir)
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            ok
+        });
+        if !unmounted {
+            let _ = Command::new("umount").args(["-l", dir]).status();
+        }
+        let _ = Command::new("losetup").args(["-d", &self.device]).status();
+        let _ = std::fs::remove_file(&self.image);
+    }
+}
+
+/// Runs a host tool with an argument vector; asserts it succeeded, returns its stdout.
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes `body` to `path` in sandbox `id` through `PUT /files`; the status.
+fn put_file(s: &Server, id: &str, path: &str, body: &[u8]) -> u16 {
+    let url = format!("{}/sandboxes/{id}/files?path={path}", s.base);
+    match ureq::put(&url)
+        .set("X-API-Key", API_KEY)
+        .set("Content-Type", "application/octet-stream")
+        .timeout(Duration::from_secs(60))
+        .send_bytes(body)
+    {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(e) => panic!("PUT {url}: {e}"),
+    }
+}
+
+/// Asserts a 507 whose message names the state dir and a byte count.
+fn assert_507(s: &Server, (code, v): (u16, serde_json::Value), what: &str) {
+    assert_eq!(code, 507, "{what}: {v}\n{}", s.log());
+    let msg = v["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&s.state_dir.display().to_string()) && msg.contains(" bytes"),
+        "{what}: {msg}"
+    );
+}
+
+/// Files a failed write may leave behind: atomic-write temps and capture directories of
+/// sandboxes that are running.
+fn partial_files(s: &Server, running: &[&str]) -> Vec<PathBuf> {
+    let mut left: Vec<PathBuf> = files_under(&s.state_dir)
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains(".tmp-"))
+        .collect();
+    for id in running {
+        let paused = s.state_dir.join("sandboxes").join(id).join("paused");
+        if paused.exists() {
+            left.push(paused);
+        }
+    }
+    left
+}
+
+const RESERVE_MB: u64 = 250;
+
+#[test]
+fn a_full_state_disk_answers_507_and_recovers() {
+    let _serial = serial();
+    let ext = Extension::start();
+    let scratch = scratch_dir();
+    let fs = LoopFs::new(&scratch.join("state"), 1536);
+    let mut s = Server::configure_full(
+        &scratch,
+        &[],
+        &format!("disk_reserve_mb = {RESERVE_MB}"),
+        &format!(
+            "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+            ext.url()
+        ),
+    );
+    s.spawn();
+    let cold = || {
+        s.call(
+            "POST",
+            "/sandboxes-cold",
+            Some(json!({"image": base_image(), "timeout": 900})),
+        )
+    };
+    let a = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
+    let b = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
+    assert_eq!(put_file(&s, &a, "/root/before", b"kept"), 204);
+    let (code, snap) = s.call("POST", &format!("/sandboxes/{a}/snapshots"), None);
+    assert_eq!(code, 201, "{snap}");
+    let snap = snap["snapshotID"].as_str().unwrap().to_string();
+    let free_metric = || metric(&s, "agentenv_state_disk_bytes{state=\"free\"}").unwrap();
+    assert_eq!(
+        metric(&s, "agentenv_state_disk_bytes{state=\"reserve\"}"),
+        Some((RESERVE_MB << 20) as f64)
+    );
+
+    // Below the reserve: new state is refused up front, pauses, deletes, reads go on.
+    let filler = fs.fill_to((RESERVE_MB - 100) << 20, 1);
+    assert!(free_metric() < (RESERVE_MB << 20) as f64);
+    assert_507(&s, cold(), "cold create below the reserve");
+    let from_snap = json!({"templateID": snap, "timeout": 600});
+    assert_507(
+        &s,
+        s.call("POST", "/sandboxes", Some(from_snap.clone())),
+        "create",
+    );
+    assert_507(
+        &s,
+        s.call("POST", &format!("/sandboxes/{b}/snapshots"), None),
+        "snapshot",
+    );
+    let template = json!({"name": "full-disk", "image": base_image(), "memoryMB": 256,
+        "cpuCount": 1, "diskSizeMB": 1024});
+    assert_507(
+        &s,
+        s.call("POST", "/templates", Some(template.clone())),
+        "build",
+    );
+    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
+    assert_eq!(code, 204, "a pause goes on below the reserve: {v}");
+    assert_507(
+        &s,
+        s.call("POST", &format!("/sandboxes/{a}/resume"), None),
+        "resume",
+    );
+    assert_eq!(
+        s.call("GET", &format!("/sandboxes/{a}"), None).1["state"],
+        "paused"
+    );
+    assert_eq!(put_file(&s, &b, "/root/below-reserve", b"small"), 204);
+    assert!(s.log().contains("reserve"), "the refusals are logged");
+    let records_before = records(&s);
+
+    // Nearly full, then full: a pause that cannot be written (its capture runs out of
+    // room part way, or cannot even start) leaves the sandbox running as it was, and the
+    // partial capture is removed.
+    let pause_runs_on = |room: &str| {
+        let (code, v) = s.call("POST", &format!("/sandboxes/{b}/pause"), None);
+        assert!(
+            v["message"].as_str().unwrap_or("").contains("is full"),
+            "{room}: {v}"
+        );
+        assert_507(&s, (code, v), &format!("pause on a {room} disk"));
+        assert_eq!(
+            s.call("GET", &format!("/sandboxes/{b}"), None).1["state"],
+            "running"
+        );
+        assert_eq!(sh(&s, &b, "cat /root/below-reserve; echo"), "small\n");
+        assert!(
+            partial_files(&s, &[&b]).is_empty(),
+            "{:?}",
+            partial_files(&s, &[&b])
+        );
+    };
+    let nearly = fs.fill_to(2 << 20, 2);
+    pause_runs_on("nearly full");
+    let full = fs.fill_to(0, 3);
+    pause_runs_on("full");
+    assert_507(&s, cold(), "cold create on a full disk");
+    assert_507(
+        &s,
+        s.call("POST", &format!("/sandboxes/{b}/snapshots"), None),
+        "snapshot",
+    );
+    assert_507(
+        &s,
+        s.call("POST", "/templates", Some(template.clone())),
+        "build",
+    );
+    assert_eq!(
+        records(&s),
+        records_before,
+        "every record is the last good one"
+    );
+    assert_eq!(
+        s.call("GET", "/health", None).0,
+        204,
+        "the server keeps serving"
+    );
+
+    // Space comes back: the same operations succeed with no restart.
+    for f in [&full, &nearly, &filler] {
+        std::fs::remove_file(f).unwrap();
+    }
+    assert!(free_metric() > (RESERVE_MB << 20) as f64);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/resume"), None);
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(sh(&s, &a, "cat /root/before; echo"), "kept\n");
+    let c = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
+    let (code, v) = s.call("POST", "/sandboxes", Some(from_snap));
+    assert_eq!(code, 201, "{v}");
+    let d = id_of(&v);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{b}/snapshots"), None);
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(put_file(&s, &b, "/root/after", b"room"), 204);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{b}/pause"), None);
+    assert_eq!(code, 204, "{v}");
+    build_template(&s, "after-full");
+
+    // A restart loads every record.
+    let listed = |s: &Server| {
+        let (_, list) = s.call("GET", "/v2/sandboxes?state=running,paused", None);
+        let mut ids: Vec<String> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| format!("{} {}", v["sandboxID"].as_str().unwrap(), v["state"]))
+            .collect();
+        ids.sort();
+        ids
+    };
+    s.stop();
+    s.spawn();
+    let after = listed(&s);
+    assert_eq!(after.len(), 4, "{after:?}\n{}", s.log());
+    for id in [&a, &b, &c, &d] {
+        let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(code, 204, "{v}");
+    }
+    assert!(
+        !s.log().contains("result=quarantined"),
+        "no record was unreadable"
+    );
+    s.stop();
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    let starts = ext.requests_for("start-fresh").len() + ext.requests_for("start-resume").len();
+    assert_eq!(ext.requests_for("stop").len(), starts, "one stop per start");
+    drop(s);
+    drop(fs);
+}
+
+/// Every record file under the state dir with its bytes.
+fn records(s: &Server) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out: Vec<_> = files_under(&s.state_dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    out.sort();
+    out
 }

@@ -59,6 +59,7 @@ impl From<OrchError> for ApiError {
             OrchError::Unavailable(_) => 503,
             OrchError::Internal(_) => 500,
             OrchError::NotImplemented(_) => 501,
+            OrchError::InsufficientStorage(_) => 507,
         };
         ApiError::new(status, e.message())
     }
@@ -78,6 +79,7 @@ mod tests {
             (OrchError::Upstream("x".into()), 502),
             (OrchError::Unavailable("x".into()), 503),
             (OrchError::Internal("x".into()), 500),
+            (OrchError::InsufficientStorage("x".into()), 507),
         ];
         for (e, status) in cases {
             let api = ApiError::from(e);

@@ -20,6 +20,8 @@ pub enum OrchError {
     Internal(String),
     /// A capability not built yet (501).
     NotImplemented(String),
+    /// The state dir's filesystem is full or below its reserve (507).
+    InsufficientStorage(String),
 }
 
 impl OrchError {
@@ -32,7 +34,8 @@ impl OrchError {
             | OrchError::Upstream(m)
             | OrchError::Unavailable(m)
             | OrchError::Internal(m)
-            | OrchError::NotImplemented(m) => m,
+            | OrchError::NotImplemented(m)
+            | OrchError::InsufficientStorage(m) => m,
         }
     }
 

@@ -33,6 +33,7 @@ mod standby;
 #[cfg(test)]
 mod standby_tests;
 mod start;
+mod state_disk;
 mod step_cache;
 pub mod steps;
 mod supervisor;
@@ -60,6 +61,7 @@ use metrics::OperationCounters;
 use registry::Registry;
 use sandbox::SandboxEntry;
 use start::Launcher;
+use state_disk::{DiskUse, StateDisk};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -128,6 +130,8 @@ pub(crate) struct Shared {
     /// Build steps' results, shared by every template.
     pub step_cache: step_cache::StepCache,
     pub operations: OperationCounters,
+    /// Free space and the reserve of the state dir's filesystem.
+    pub disk: StateDisk,
     pub idempotency: idempotency::IdempotencyKeys,
     pub shutting_down: AtomicBool,
 }
@@ -194,7 +198,13 @@ impl Orchestrator {
             config.server.state_dir.join("template-files"),
             config.templates.max_upload_bytes,
         );
+        let disk = StateDisk::new(
+            config.server.state_dir.clone(),
+            config.server.disk_reserve_mb,
+            state_disk::statvfs_probe,
+        );
         let shared = Arc::new(Shared {
+            disk,
             config,
             registry,
             launcher,
@@ -234,12 +244,41 @@ impl Orchestrator {
         Ok(())
     }
 
+    /// Runs `write` as an operation that writes `op` on the state dir: refused up front
+    /// below the reserve, and its failure on a full disk answered as 507.
+    fn on_state_disk<T>(
+        &self,
+        op: DiskUse,
+        write: impl FnOnce() -> Result<T, OrchError>,
+    ) -> Result<T, OrchError> {
+        let result = self
+            .shared
+            .disk
+            .check(op)
+            .and_then(|()| self.shared.disk.classify(op, write()));
+        if let Err(OrchError::InsufficientStorage(m)) = &result {
+            log::warn!(
+                "op={} result=insufficient_storage reason=\"{m}\"",
+                op.name()
+            );
+        }
+        result
+    }
+
+    /// The memory size of sandbox `id` (what its pause or snapshot writes at most).
+    fn memory_of(&self, id: &str) -> u32 {
+        self.entry(id)
+            .map(|e| e.info.lock().settings.resources.memory_mb)
+            .unwrap_or(0)
+    }
+
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
     pub fn create_cold(&self, req: ColdStart) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
         let shared = &self.shared;
-        let result =
-            operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req);
+        let result = self.on_state_disk(DiskUse::Create, || {
+            operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req)
+        });
         self.shared.operations.record("create_cold", result.is_ok());
         if let Ok(info) = &result {
             self.log_event(&info.id, "create", &Ok(()), "sandbox created from an image");
@@ -301,7 +340,9 @@ impl Orchestrator {
     /// `DELETE /sandboxes/{id}`: invisible at once, then the supervisor tears down.
     pub fn delete(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = delete(&self.shared.registry, id, StopReason::Delete);
+        let result = self.on_state_disk(DiskUse::Record, || {
+            delete(&self.shared.registry, id, StopReason::Delete)
+        });
         self.shared.operations.record("delete", result.is_ok());
         result
     }
@@ -377,7 +418,17 @@ impl Orchestrator {
     pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
         self.refuse_when_shutting_down()?;
         let shared = &self.shared;
-        let result = operations::resume(&shared.registry, &shared.launcher, id, secs, is_connect);
+        let paused = self
+            .entry(id)
+            .is_ok_and(|e| e.state() == SandboxState::Paused);
+        let op = if paused {
+            DiskUse::Resume
+        } else {
+            DiskUse::Record
+        };
+        let result = self.on_state_disk(op, || {
+            operations::resume(&shared.registry, &shared.launcher, id, secs, is_connect)
+        });
         if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
             self.shared.operations.record("resume", result.is_ok());
             self.log_event(id, "resume", &result, "resumed");
@@ -388,7 +439,12 @@ impl Orchestrator {
     /// `POST …/pause`: 204 once paused; a paused sandbox answers 204 with no hooks.
     pub fn pause(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = operations::pause(&self.shared.registry, id, StopReason::Pause);
+        let op = DiskUse::Pause {
+            memory_mb: self.memory_of(id),
+        };
+        let result = self.on_state_disk(op, || {
+            operations::pause(&self.shared.registry, id, StopReason::Pause)
+        });
         self.shared.operations.record("pause", result.is_ok());
         self.log_event(id, "pause", &result, "paused");
         result
@@ -398,7 +454,12 @@ impl Orchestrator {
     pub fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRecord, OrchError> {
         self.refuse_when_shutting_down()?;
         let shared = &self.shared;
-        let result = operations::snapshot(&shared.registry, &shared.snapshots, id, name);
+        let op = DiskUse::Snapshot {
+            memory_mb: self.memory_of(id),
+        };
+        let result = self.on_state_disk(op, || {
+            operations::snapshot(&shared.registry, &shared.snapshots, id, name)
+        });
         self.shared.operations.record("snapshot", result.is_ok());
         let taken = match &result {
             Ok(r) => format!("snapshot {} taken", r.id),
@@ -491,7 +552,9 @@ impl Orchestrator {
         resources: Resources,
     ) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
         self.refuse_when_shutting_down()?;
-        templates::request_build(&self.shared, name, tags, resources)
+        self.on_state_disk(DiskUse::Build, || {
+            templates::request_build(&self.shared, name, tags, resources)
+        })
     }
 
     /// `POST /v2/templates/{id}/builds/{buildID}`: the build starts with its steps.
@@ -502,7 +565,9 @@ impl Orchestrator {
         spec: steps::BuildSpec,
     ) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        templates::start_build(&self.shared, template_id, build_id, spec)
+        self.on_state_disk(DiskUse::Build, || {
+            templates::start_build(&self.shared, template_id, build_id, spec)
+        })
     }
 
     /// Whether a build's files of `hash` are uploaded already.
@@ -553,7 +618,7 @@ impl Orchestrator {
     /// `POST /templates`: 202 with the build, which goes on in the background.
     pub fn submit_template(&self, req: TemplateRequest) -> Result<TemplateBuild, OrchError> {
         self.refuse_when_shutting_down()?;
-        templates::submit(&self.shared, req)
+        self.on_state_disk(DiskUse::Build, || templates::submit(&self.shared, req))
     }
 
     /// `DELETE /templates/{idOrName}`: a template or a snapshot; 409 while building.
@@ -584,7 +649,7 @@ impl Orchestrator {
     /// `POST /sandboxes` (custom-extension.md §5.3): a new sandbox restored from a snapshot.
     pub fn create_from_snapshot(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = self.create_from_snapshot_inner(req);
+        let result = self.on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req));
         self.shared.operations.record("create", result.is_ok());
         if let Ok(info) = &result {
             let from = format!("sandbox created from {}", info.settings.template_id);
@@ -666,14 +731,16 @@ impl Orchestrator {
     ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
         self.refuse_when_shutting_down()?;
         let shared = &self.shared;
-        let result = operations::fork(
-            &shared.registry,
-            &shared.launcher,
-            &shared.snapshots,
-            id,
-            count,
-            timeout_secs,
-        );
+        let result = self.on_state_disk(DiskUse::Create, || {
+            operations::fork(
+                &shared.registry,
+                &shared.launcher,
+                &shared.snapshots,
+                id,
+                count,
+                timeout_secs,
+            )
+        });
         self.shared.operations.record("fork", result.is_ok());
         if let Ok(forks) = &result {
             let n = forks.iter().filter(|f| f.is_ok()).count();
@@ -757,6 +824,7 @@ impl Orchestrator {
             operations::save_running(&self.shared.registry.dir(id), &info)?;
             Ok(params)
         });
+        let result = self.shared.disk.classify(DiskUse::Record, result);
         entry.end_patch();
         self.shared
             .operations
@@ -845,7 +913,9 @@ impl Orchestrator {
         self.refuse_when_shutting_down()?;
         let wait = Duration::from_secs(self.shared.config.sandbox.auto_resume_wait_secs);
         let shared = &self.shared;
-        wake::route_waking(&shared.registry, &shared.launcher, id, wait)
+        self.on_state_disk(DiskUse::Resume, || {
+            wake::route_waking(&shared.registry, &shared.launcher, id, wait)
+        })
     }
 
     /// Whether VM `instance` still runs sandbox `id`.
@@ -919,6 +989,7 @@ impl Orchestrator {
             &[("in_use", slots.in_use), ("pooled", slots.pooled)],
         );
         self.shared.launcher.admission.render_metrics(&mut out);
+        self.shared.disk.render_metrics(&mut out);
         out
     }
 

@@ -90,6 +90,12 @@ impl<'a> RotatingFile<'a> {
 
     fn fail(&mut self, e: &std::io::Error) {
         self.file = None;
+        self.dropping(e);
+    }
+
+    /// Output is dropped while the disk refuses it (a full state dir): the log stops
+    /// growing, the VM never notices, and writing resumes once there is room.
+    fn dropping(&mut self, e: &std::io::Error) {
         if !self.failed {
             self.failed = true;
             log::warn!(
@@ -100,6 +106,9 @@ impl<'a> RotatingFile<'a> {
     }
 
     fn write(&mut self, mut bytes: &[u8]) {
+        if self.file.is_none() {
+            self.reopen();
+        }
         while !bytes.is_empty() {
             if self.len >= self.file_max {
                 if let Err(e) = std::fs::rename(self.path, rotated_path(self.path)) {
@@ -114,11 +123,18 @@ impl<'a> RotatingFile<'a> {
             let room = (self.file_max - self.len.min(self.file_max)) as usize;
             let n = bytes.len().min(room.max(1));
             if let Err(e) = file.write_all(&bytes[..n]) {
-                self.fail(&e);
+                self.len = file.metadata().map_or(self.len, |m| m.len());
+                self.dropping(&e);
                 return;
             }
             self.len += n as u64;
             bytes = &bytes[n..];
+        }
+        if std::mem::take(&mut self.failed) {
+            log::warn!(
+                "vm op=console path={} result=resumed (output since the error was dropped)",
+                self.path.display()
+            );
         }
     }
 }
