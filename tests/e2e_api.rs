@@ -145,10 +145,10 @@ fn body_rules(s: &Server) {
         (json!({"image": image, "metadata": {"k": 1}}), 422),
         (json!({"image": image, "extraBootArgs": "quiet"}), 400),
         (
-            json!({"image": image, "network": {"allowOut": ["1.1.1.1"]}}),
+            json!({"image": image, "network": {"allowOut": ["1.1.1.999"]}}),
             400,
         ),
-        (json!({"image": image, "allowInternetAccess": true}), 400),
+        (json!({"image": image, "network": {"rules": []}}), 400),
         (
             json!({"image": image, "customExtensionParams": {"vpn": "x"}}),
             400,
