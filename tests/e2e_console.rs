@@ -70,10 +70,17 @@ fn console_files_and_auth_without_vms() {
     let first = &history["samples"][0]["values"];
     assert_eq!(first["agentenv_sandboxes{state=\"running\"}"], 0.0);
     assert!(
-        first["agentenv_admission_vcpus{state=\"limit\"}"]
+        first["agentenv_host_memory_mb{state=\"available\"}"]
             .as_f64()
             .unwrap()
-            >= 1.0
+            >= 1.0,
+        "{first}"
+    );
+    assert!(
+        first
+            .get("agentenv_admission_vcpus{state=\"limit\"}")
+            .is_none(),
+        "no vCPU cap by default: {first}"
     );
     assert_eq!(s.call("GET", "/metrics/history?since=x", None).0, 400);
     // A plain GET of the terminal is told to upgrade.

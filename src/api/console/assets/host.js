@@ -63,11 +63,12 @@ function rate(points) {
 function render(now, charts, hooks, samples, node) {
   const last = samples.length ? samples[samples.length - 1].v : {};
   const get = (k) => (k in last ? last[k] : null);
-  const pair = (a, b, unit = '') => `${get(a) ?? '–'} of ${get(b) ?? '–'}${unit}`;
+  const pair = (a, b, unit = '') => `${get(a) ?? '–'}${unit}, cap ${get(b) ?? 'none'}`;
   fill(now, facts([
     ['Node', node],
     ['Memory reserved', pair('agentenv_admission_memory_mb{state="reserved"}', 'agentenv_admission_memory_mb{state="limit"}', ' MiB')],
     ['vCPUs reserved', pair('agentenv_admission_vcpus{state="reserved"}', 'agentenv_admission_vcpus{state="limit"}')],
+    ['Host memory', `${get('agentenv_host_memory_mb{state="available"}') ?? '–'} MiB available, ${get('agentenv_host_memory_mb{state="reserve"}') ?? '–'} MiB kept`],
     ['Network slots', `${get('agentenv_network_slots{state="in_use"}') ?? '–'} in use, ${get('agentenv_network_slots{state="pooled"}') ?? '–'} pooled`],
     ['Standby VMs', `${get('agentenv_standby_vms{state="ready"}') ?? '–'} ready`],
     ['Sandboxes', `${get('agentenv_sandboxes{state="running"}') ?? '–'} running, ${get('agentenv_sandboxes{state="paused"}') ?? '–'} paused`],
