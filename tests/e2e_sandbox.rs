@@ -131,8 +131,12 @@ fn guest_cmdline(s: &Server, id: &str) {
     let v = s.exec(id, "cat", &["/proc/cmdline"]);
     let cmdline = v["stdout"].as_str().unwrap();
     assert!(cmdline.contains("console=ttyS0"), "{cmdline}");
+    // agentenv's own arguments come last: the agent port, and the guest's resolver (the
+    // slot's DNS forwarder, since outbound access is on by default).
     assert!(
-        cmdline.trim_end().ends_with("agentenv.port=49983"),
+        cmdline
+            .trim_end()
+            .ends_with("agentenv.port=49983 agentenv.dns=169.254.0.22"),
         "{cmdline}"
     );
     let v = s.exec(id, "ip", &["-4", "addr", "show", "eth0"]);
