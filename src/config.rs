@@ -604,7 +604,22 @@ impl Config {
         if self.images.read_timeout_secs == 0 {
             return invalid("images.read_timeout_secs", "must be at least 1".into());
         }
-        let n = &self.network;
+        self.network.validate()?;
+        self.vm.validate()?;
+        self.custom_extension.validate()?;
+        self.templates.validate()?;
+        if self.agent.max_concurrent_commands == 0 {
+            return invalid("agent.max_concurrent_commands", "must be at least 1".into());
+        }
+        self.admission.validate()
+    }
+}
+
+impl NetworkConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let n = self;
         let host = Cidr::parse(&n.host_interaction_cidr);
         let veth = Cidr::parse(&n.veth_cidr);
         let Some(host) = host else {
@@ -665,7 +680,15 @@ impl Config {
                 "must not exceed network.pool_max".into(),
             );
         }
-        let v = &self.vm;
+        Ok(())
+    }
+}
+
+impl VmConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let v = self;
         if v.default_cpu_count == 0 {
             return invalid("vm.default_cpu_count", "must be at least 1".into());
         }
@@ -681,35 +704,40 @@ impl Config {
         if v.ready_timeout_secs == 0 {
             return invalid("vm.ready_timeout_secs", "must be at least 1".into());
         }
-        self.custom_extension.validate()?;
-        if self.templates.max_concurrent_builds == 0 {
+        Ok(())
+    }
+}
+
+impl TemplatesConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let t = self;
+        if t.max_concurrent_builds == 0 {
             return invalid(
                 "templates.max_concurrent_builds",
                 "must be at least 1".into(),
             );
         }
-        if self.templates.standby_per_template > 16 {
+        if t.standby_per_template > 16 {
             return invalid(
                 "templates.standby_per_template",
                 "must be at most 16".into(),
             );
         }
-        if !(1..=86_400).contains(&self.templates.build_timeout_secs) {
+        if !(1..=86_400).contains(&t.build_timeout_secs) {
             return invalid(
                 "templates.build_timeout_secs",
                 "must be within 1..=86400".into(),
             );
         }
-        if !(1..=86_400).contains(&self.templates.start_cmd_timeout_secs) {
+        if !(1..=86_400).contains(&t.start_cmd_timeout_secs) {
             return invalid(
                 "templates.start_cmd_timeout_secs",
                 "must be within 1..=86400".into(),
             );
         }
-        if self.agent.max_concurrent_commands == 0 {
-            return invalid("agent.max_concurrent_commands", "must be at least 1".into());
-        }
-        self.admission.validate()
+        Ok(())
     }
 }
 

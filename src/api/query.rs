@@ -58,15 +58,44 @@ pub fn get<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
 
 /// `limit`: 1..=100.
 pub fn limit(pairs: &[(String, String)]) -> Result<Option<usize>, ApiError> {
+    limit_within(pairs, 100)
+}
+
+/// `limit`: 1..=`max`.
+pub fn limit_within(pairs: &[(String, String)], max: usize) -> Result<Option<usize>, ApiError> {
     match get(pairs, "limit") {
         None => Ok(None),
         Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=100).contains(&n) => Ok(Some(n)),
-            _ => Err(ApiError::bad_request(
-                "limit must be an integer within 1..=100",
-            )),
+            Ok(n) if (1..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(ApiError::bad_request(format!(
+                "limit must be an integer within 1..={max} (got {v:?})"
+            ))),
         },
     }
+}
+
+/// The value `key` names among `choices` (name, value); absent → `default`; any other
+/// text → 400 listing the names.
+pub fn choice<T: Copy>(
+    pairs: &[(String, String)],
+    key: &str,
+    default: T,
+    choices: &[(&str, T)],
+) -> Result<T, ApiError> {
+    let Some(v) = get(pairs, key) else {
+        return Ok(default);
+    };
+    choices
+        .iter()
+        .find(|(name, _)| *name == v)
+        .map(|(_, value)| *value)
+        .ok_or_else(|| {
+            let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+            ApiError::bad_request(format!(
+                "{key} must be one of {} (got {v:?})",
+                names.join(", ")
+            ))
+        })
 }
 
 /// A unix time in seconds named `key`, when given.

@@ -738,15 +738,7 @@ impl ListQuery {
                 "state must be a comma-separated list of running and paused",
             ));
         }
-        let ascending = match query::get(&pairs, "order") {
-            None | Some("desc") => false,
-            Some("asc") => true,
-            Some(other) => {
-                return Err(ApiError::bad_request(format!(
-                    "order must be asc or desc (got {other:?})"
-                )))
-            }
-        };
+        let ascending = query::choice(&pairs, "order", false, &[("desc", false), ("asc", true)])?;
         let after = match query::get(&pairs, "nextToken") {
             None => None,
             Some(t) => {
@@ -1190,35 +1182,15 @@ fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, Api
             })
         })
         .transpose()?;
-    let limit = match query::get(&pairs, "limit") {
-        None => MAX_LOG_ENTRIES,
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|n| (1..=MAX_LOG_ENTRIES).contains(n))
-            .ok_or_else(|| {
-                ApiError::bad_request(format!(
-                    "limit must be within 1..={MAX_LOG_ENTRIES} (got {v:?})"
-                ))
-            })?,
-    };
-    let backward = match query::get(&pairs, "direction") {
-        None | Some("forward") => false,
-        Some("backward") => true,
-        Some(v) => {
-            return Err(ApiError::bad_request(format!(
-                "direction must be forward or backward (got {v:?})"
-            )))
-        }
-    };
-    let min_level = match query::get(&pairs, "level") {
-        None => LogLevel::Debug,
-        Some(v) => LogLevel::parse(v).ok_or_else(|| {
-            ApiError::bad_request(format!(
-                "level must be debug, info, warn or error (got {v:?})"
-            ))
-        })?,
-    };
+    let limit = query::limit_within(&pairs, MAX_LOG_ENTRIES)?.unwrap_or(MAX_LOG_ENTRIES);
+    let backward = query::choice(
+        &pairs,
+        "direction",
+        false,
+        &[("forward", false), ("backward", true)],
+    )?;
+    let levels = LogLevel::ALL.map(|l| (l.as_str(), l));
+    let min_level = query::choice(&pairs, "level", LogLevel::Debug, &levels)?;
     let search = query::get(&pairs, "search").map(str::to_string);
     if search.as_ref().is_some_and(|s| s.len() > MAX_LOG_SEARCH) {
         return Err(ApiError::bad_request(format!(

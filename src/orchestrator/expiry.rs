@@ -68,16 +68,9 @@ impl Backoff {
 
 pub(crate) fn spawn(registry: Weak<Registry>) {
     let backoff = Arc::new(Mutex::new(Backoff::default()));
-    std::thread::Builder::new()
-        .name("expiry".into())
-        .spawn(move || loop {
-            std::thread::sleep(CHECK_INTERVAL);
-            let Some(registry) = registry.upgrade() else {
-                return;
-            };
-            tick(&registry, &backoff, SystemTime::now());
-        })
-        .expect("spawn expiry thread");
+    super::registry::spawn_periodic("expiry", registry, CHECK_INTERVAL, move |registry| {
+        tick(registry, &backoff, SystemTime::now());
+    });
 }
 
 /// One check: every running sandbox past `endAt` whose backoff allows it is paused or

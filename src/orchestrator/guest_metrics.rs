@@ -134,26 +134,18 @@ pub(crate) fn sample_guest(addr: SocketAddr) -> Option<GuestSample> {
 
 /// Starts the sampler; it ends with the registry.
 pub(crate) fn spawn(registry: Weak<Registry>, interval: Duration, agent_port: u16) {
-    std::thread::Builder::new()
-        .name("sandbox-metrics".into())
-        .spawn(move || loop {
-            std::thread::sleep(interval);
-            let Some(registry) = registry.upgrade() else {
-                return;
-            };
-            for entry in registry.entries() {
-                sample_entry(&entry, agent_port);
-                // The console's new lines go to the sandbox's log while it runs.
-                if entry.guest_agent_addr(agent_port).is_some() {
-                    let id = entry.info.lock().id.clone();
-                    entry
-                        .log
-                        .read_console(&registry.dir(&id).join("console.log"));
-                }
+    super::registry::spawn_periodic("sandbox-metrics", registry, interval, move |registry| {
+        for entry in registry.entries() {
+            sample_entry(&entry, agent_port);
+            // The console's new lines go to the sandbox's log while it runs.
+            if entry.guest_agent_addr(agent_port).is_some() {
+                let id = entry.info.lock().id.clone();
+                entry
+                    .log
+                    .read_console(&registry.dir(&id).join("console.log"));
             }
-            drop(registry);
-        })
-        .expect("spawn sandbox-metrics thread");
+        }
+    });
 }
 
 fn sample_entry(entry: &SandboxEntry, agent_port: u16) {

@@ -88,3 +88,23 @@ impl Registry {
         self.gone.get(id)
     }
 }
+
+/// Runs `tick` every `interval` on a thread named `name`, as long as the registry exists
+/// (the expiry and sandbox-metrics threads).
+pub(crate) fn spawn_periodic(
+    name: &str,
+    registry: std::sync::Weak<Registry>,
+    interval: std::time::Duration,
+    mut tick: impl FnMut(&Arc<Registry>) + Send + 'static,
+) {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || loop {
+            std::thread::sleep(interval);
+            let Some(registry) = registry.upgrade() else {
+                return;
+            };
+            tick(&registry);
+        })
+        .unwrap_or_else(|e| panic!("spawn {name} thread: {e}"));
+}

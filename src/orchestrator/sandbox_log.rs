@@ -18,36 +18,7 @@ pub const MAX_ENTRIES: usize = 2000;
 pub const MAX_MESSAGE: usize = 1024;
 const MAX_READ: u64 = 64 * 1024;
 
-/// E2B's log levels, lowest first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum LogLevel {
-    Debug,
-    Info,
-    Warn,
-    Error,
-}
-
-impl LogLevel {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LogLevel::Debug => "debug",
-            LogLevel::Info => "info",
-            LogLevel::Warn => "warn",
-            LogLevel::Error => "error",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<LogLevel> {
-        [
-            LogLevel::Debug,
-            LogLevel::Info,
-            LogLevel::Warn,
-            LogLevel::Error,
-        ]
-        .into_iter()
-        .find(|l| l.as_str() == s)
-    }
-}
+pub use super::templates::LogLevel;
 
 /// One entry.
 #[derive(Debug, Clone, PartialEq)]

@@ -54,8 +54,9 @@ pub struct CatalogBuild {
     pub spec: Option<BuildSpec>,
 }
 
-/// A build log entry's level (E2B's `LogLevel`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// A log entry's level (E2B's `LogLevel`), lowest first: build logs and sandbox logs
+/// ([`super::sandbox_log`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogLevel {
     Debug,
@@ -73,6 +74,13 @@ impl LogLevel {
             LogLevel::Error => "error",
         }
     }
+
+    pub const ALL: [LogLevel; 4] = [
+        LogLevel::Debug,
+        LogLevel::Info,
+        LogLevel::Warn,
+        LogLevel::Error,
+    ];
 }
 
 /// One line of a build's log (E2B's `BuildLogEntry`).
