@@ -185,7 +185,8 @@ impl Shared {
         protocol::write_frame(&mut *w, frame).map_err(|e| {
             let reason = format!("writing to the agent channel failed: {e}");
             *self.dead.lock() = Some(reason.clone());
-            AgentError::Unreachable(reason)
+            // The channel may have been shut down for a violation a moment ago.
+            self.closed_error(reason)
         })
     }
 
@@ -218,11 +219,12 @@ impl Shared {
             };
             decoder.push(&chunk[..n]);
         };
+        // Dead before the shutdown, so a call made meanwhile fails with the reason.
+        *self.dead.lock() = Some(reason.clone());
         if self.violation.lock().is_some() {
             // The guest sees its channel end; nothing more it sends is read.
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
-        *self.dead.lock() = Some(reason.clone());
         for (_, call) in self.pending.lock().drain() {
             let _ = call.tx.try_send(Inbound::Closed(reason.clone()));
         }

@@ -234,12 +234,17 @@ impl AgentServer {
                 let reaper = self.reaper.clone();
                 let fault_trigger = self.fault_trigger.clone();
                 self.spawn(id, "exec", move || {
-                    match exec::run(&req, &reaper) {
+                    let answer = exec::run(&req, &reaper);
+                    // One unlink per command, before its answer: a command the host sends
+                    // after this answer cannot have made the file this check finds. It
+                    // succeeds once per trigger file.
+                    let break_protocol =
+                        fault_trigger.is_some_and(|p| std::fs::remove_file(&*p).is_ok());
+                    match answer {
                         Ok(result) => sink.response(id, &Response::Exec(result)),
                         Err(e) => sink.error(id, &e),
                     }
-                    // One unlink per command; it succeeds once per trigger file.
-                    if fault_trigger.is_some_and(|p| std::fs::remove_file(&*p).is_ok()) {
+                    if break_protocol {
                         let oversized = vec![0; crate::agent::protocol::MAX_CHUNK + 1];
                         sink.send(&Frame::new(FrameKind::Data, id, oversized));
                     }
