@@ -155,27 +155,6 @@ fn build_of(ctx: &Context, t: &Target) -> Result<TemplateBuild, ApiError> {
         })
 }
 
-fn level_rank(l: LogLevel) -> u8 {
-    match l {
-        LogLevel::Debug => 0,
-        LogLevel::Info => 1,
-        LogLevel::Warn => 2,
-        LogLevel::Error => 3,
-    }
-}
-
-fn parse_level(s: &str) -> Result<LogLevel, ApiError> {
-    match s {
-        "debug" => Ok(LogLevel::Debug),
-        "info" => Ok(LogLevel::Info),
-        "warn" => Ok(LogLevel::Warn),
-        "error" => Ok(LogLevel::Error),
-        _ => Err(ApiError::bad_request(
-            "level must be debug, info, warn or error",
-        )),
-    }
-}
-
 fn entry(e: &LogEntry) -> Value {
     let mut v = json!({
         "timestamp": rfc3339(e.timestamp),
@@ -188,16 +167,8 @@ fn entry(e: &LogEntry) -> Value {
     v
 }
 
-/// Query parameters as a map (the last of a repeated key wins).
-fn params(t: &Target) -> Result<std::collections::HashMap<String, String>, ApiError> {
-    Ok(super::query::parse(t.query).into_iter().collect())
-}
-
-fn number(
-    q: &std::collections::HashMap<String, String>,
-    key: &str,
-) -> Result<Option<u64>, ApiError> {
-    q.get(key)
+fn number(q: &[(String, String)], key: &str) -> Result<Option<u64>, ApiError> {
+    super::query::get(q, key)
         .map(|v| {
             v.parse::<u64>()
                 .map_err(|_| ApiError::bad_request(format!("{key} must be a non-negative integer")))
@@ -208,15 +179,15 @@ fn number(
 /// `GET /templates/{templateID}/builds/{buildID}/status?logsOffset=&limit=&level=`.
 pub fn build_status(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
     let b = build_of(ctx, t)?;
-    let q = params(t)?;
+    let q = super::query::parse(t.query);
     let offset = number(&q, "logsOffset")?.unwrap_or(0) as usize;
     let limit = number(&q, "limit")?.map_or(DEFAULT_LOG_LIMIT, |l| l.clamp(1, 100) as usize);
-    let min = q.get("level").map(|l| parse_level(l)).transpose()?;
+    let min = super::query::min_level(&q)?;
     let entries: Vec<Value> = b
         .log_entries()
         .iter()
         .skip(offset)
-        .filter(|e| min.is_none_or(|m| level_rank(e.level) >= level_rank(m)))
+        .filter(|e| e.level >= min)
         .take(limit)
         .map(entry)
         .collect();
@@ -256,19 +227,11 @@ pub fn build_status(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
 /// `cursor` is a time in Unix milliseconds (entries from it on, or up to it backward).
 pub fn build_logs(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
     let b = build_of(ctx, t)?;
-    let q = params(t)?;
+    let q = super::query::parse(t.query);
     let cursor = number(&q, "cursor")?;
     let limit = number(&q, "limit")?.map_or(DEFAULT_LOG_LIMIT, |l| l.clamp(1, 100) as usize);
-    let min = q.get("level").map(|l| parse_level(l)).transpose()?;
-    let backward = match q.get("direction").map(String::as_str) {
-        None | Some("forward") => false,
-        Some("backward") => true,
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "direction must be forward or backward",
-            ))
-        }
-    };
+    let min = super::query::min_level(&q)?;
+    let backward = super::query::backward(&q)?;
     let ms = |e: &LogEntry| {
         e.timestamp
             .duration_since(std::time::UNIX_EPOCH)
@@ -277,7 +240,7 @@ pub fn build_logs(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
     let mut all: Vec<LogEntry> = b
         .log_entries()
         .into_iter()
-        .filter(|e| min.is_none_or(|m| level_rank(e.level) >= level_rank(m)))
+        .filter(|e| e.level >= min)
         .filter(|e| match cursor {
             None => true,
             Some(c) if backward => ms(e) <= c,

@@ -1,6 +1,7 @@
 //! Query strings: percent-decoding and the list filters of api.md §4.4–4.5.
 
 use super::error::ApiError;
+use crate::orchestrator::LogLevel;
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
@@ -96,6 +97,22 @@ pub fn choice<T: Copy>(
                 names.join(", ")
             ))
         })
+}
+
+/// `direction=forward|backward` of a log query (default forward): true for backward.
+pub fn backward(pairs: &[(String, String)]) -> Result<bool, ApiError> {
+    choice(
+        pairs,
+        "direction",
+        false,
+        &[("forward", false), ("backward", true)],
+    )
+}
+
+/// `level=` of a log query: the least severe level wanted (default debug, so all).
+pub fn min_level(pairs: &[(String, String)]) -> Result<LogLevel, ApiError> {
+    let levels = LogLevel::ALL.map(|l| (l.as_str(), l));
+    choice(pairs, "level", LogLevel::Debug, &levels)
 }
 
 /// A unix time in seconds named `key`, when given.

@@ -1172,7 +1172,7 @@ const MAX_LOG_SEARCH: usize = 256;
 /// `GET /v2/sandboxes/{id}/logs?cursor=&limit=&direction=&level=&search=` (E2B's
 /// sandbox logs, api.md §4.26): `{"logs": [{timestamp, message, level, fields}]}`.
 fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
-    use crate::orchestrator::sandbox_log::{LogLevel, LogQuery};
+    use crate::orchestrator::sandbox_log::LogQuery;
     let id = checked_id(id)?;
     let pairs = query::parse(query_string);
     let cursor = query::get(&pairs, "cursor")
@@ -1183,14 +1183,8 @@ fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, Api
         })
         .transpose()?;
     let limit = query::limit_within(&pairs, MAX_LOG_ENTRIES)?.unwrap_or(MAX_LOG_ENTRIES);
-    let backward = query::choice(
-        &pairs,
-        "direction",
-        false,
-        &[("forward", false), ("backward", true)],
-    )?;
-    let levels = LogLevel::ALL.map(|l| (l.as_str(), l));
-    let min_level = query::choice(&pairs, "level", LogLevel::Debug, &levels)?;
+    let backward = query::backward(&pairs)?;
+    let min_level = query::min_level(&pairs)?;
     let search = query::get(&pairs, "search").map(str::to_string);
     if search.as_ref().is_some_and(|s| s.len() > MAX_LOG_SEARCH) {
         return Err(ApiError::bad_request(format!(
