@@ -10,10 +10,12 @@
 # hard-coded host. Needs root, debootstrap, tar, gzip, sha256sum.
 set -euo pipefail
 
-PACKAGES=python3,bash,sudo,curl,ca-certificates
+# iproute2 (ss), procps (pgrep) and curl: the E2B SDKs' ready commands (wait_for_port,
+# wait_for_process, wait_for_url) run them in the build VM.
+PACKAGES=python3,bash,sudo,curl,ca-certificates,iproute2,procps
 SUITE=bookworm
 # Bump when the steps below change what the image holds.
-RECIPE=1
+RECIPE=2
 # Entries are stamped with this time, so the same root gives the same layer digest.
 MTIME=1700000000
 

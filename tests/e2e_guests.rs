@@ -69,7 +69,9 @@ fn debian_image_from_the_registry_runs_python() {
 
     // A template from the Debian image, built with the python SDK's Template builder
     // (the busybox variant of this script runs in e2e_templates): COPY with owner and
-    // mode, RUN, ENV, WORKDIR, USER, a start command serving HTTP with python3.
+    // mode, RUN, ENV, WORKDIR, USER, a start command serving HTTP with python3 behind
+    // wait_for_port; rebuilt with one changed last step (wait_for_url), the other steps
+    // cached; a background build behind wait_for_process.
     let script = format!("{}/tests/sdk/template_build.py", env!("CARGO_MANIFEST_DIR"));
     let mut cmd = std::process::Command::new(&python);
     cmd.arg(&script)
@@ -85,11 +87,10 @@ fn debian_image_from_the_registry_runs_python() {
              exec python3 -m http.server 8080",
         )
         .env("AENV_TEST_FETCH", "curl -s http://127.0.0.1:8080/")
-        .env(
-            "AENV_TEST_SERVED_WAIT",
-            "for i in $(seq 150); do curl -sf http://127.0.0.1:8080/ >/dev/null && break; \
-             sleep 0.2; done; ",
-        )
+        // The SDK's own ready commands (ss, curl, pgrep in the image) and a rebuild with
+        // a changed last step, the rest from the step cache.
+        .env("AENV_TEST_READY", "sdk")
+        .env("AENV_TEST_CACHE", "1")
         .env_remove("E2B_DOMAIN");
     let lines = finish(&server, &script, cmd);
     println!("{}", lines.join("\n"));

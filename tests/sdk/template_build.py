@@ -2,7 +2,10 @@
 USER, WORKDIR, COPY (a directory and a file, owner and mode) and a start command, built
 with Template.build; sandboxes from it; a rebuild that changes only the last step (the
 earlier steps come from the cache); a failing RUN; build_in_background and
-get_build_status; aliases, tags, delete. AENV_TEST_IMAGE names the image."""
+get_build_status; aliases, tags, delete. AENV_TEST_IMAGE names the image.
+AENV_TEST_READY=sdk makes the start commands wait with the SDK's own ready commands
+(wait_for_port, then wait_for_url on the rebuild, wait_for_process in the background
+build), which need ss, curl and pgrep in the image; otherwise a marker file."""
 
 import os
 import sys
@@ -10,7 +13,15 @@ import tempfile
 import time
 
 from check import main, ok, raises
-from e2b import BuildException, Sandbox, Template, wait_for_file
+from e2b import (
+    BuildException,
+    Sandbox,
+    Template,
+    wait_for_file,
+    wait_for_port,
+    wait_for_process,
+    wait_for_url,
+)
 
 IMAGE = os.environ["AENV_TEST_IMAGE"]
 ALIAS = os.environ.get("AENV_TEST_ALIAS", "sdk-app")
@@ -19,9 +30,15 @@ SERVE = os.environ.get(
     "AENV_TEST_SERVE", "mkdir -p /tmp/www && echo served > /tmp/www/index.html && httpd -f -p 8080 -h /tmp/www"
 )
 FETCH = os.environ.get("AENV_TEST_FETCH", "wget -q -O- http://127.0.0.1:8080/")
-# Shell run before the start command marks itself started (e.g. a bounded wait until the
-# server answers, for a server slower to start than busybox httpd).
-SERVED_WAIT = os.environ.get("AENV_TEST_SERVED_WAIT", "")
+SDK_READY = os.environ.get("AENV_TEST_READY") == "sdk"
+
+
+def start(template, rebuild=False):
+    """The start command serving on 8080 and how the build knows it is ready."""
+    if SDK_READY:
+        ready = wait_for_url("http://127.0.0.1:8080/") if rebuild else wait_for_port(8080)
+        return template.set_start_cmd(SERVE, ready)
+    return template.set_start_cmd(f"{SERVE} & touch /tmp/started; wait", wait_for_file("/tmp/started"))
 
 
 def context():
@@ -36,8 +53,8 @@ def context():
     return d
 
 
-def template(ctx, last_step):
-    return (
+def template(ctx, last_step, rebuild=False):
+    t = (
         Template(file_context_path=ctx)
         .from_image(IMAGE)
         .set_envs({"GREETING": "hi", "BUILD_SECRET": "s3cret"})
@@ -49,8 +66,8 @@ def template(ctx, last_step):
         .run_cmd('echo "$GREETING $BUILD_SECRET" > stamp && cat /proc/sys/kernel/random/uuid > stamp-early && pwd > wd')
         .set_user("user")
         .run_cmd(last_step)
-        .set_start_cmd(f"{SERVE} & {SERVED_WAIT}touch /tmp/started; wait", wait_for_file("/tmp/started"))
     )
+    return start(t, rebuild)
 
 
 def run(sbx, cmd, user=None):
@@ -84,7 +101,7 @@ def rebuild_from_cache(ctx, info, early):
     # The same template with only the last step changed: earlier steps come from the cache.
     logs2 = []
     info2 = Template.build(
-        template(ctx, "echo two > /srv/app/last"),
+        template(ctx, "echo two > /srv/app/last", rebuild=True),
         ALIAS,
         on_build_logs=lambda e: logs2.append(str(e)),
     )
@@ -93,9 +110,12 @@ def rebuild_from_cache(ctx, info, early):
     cached = [line for line in logs2 if "CACHED" in line]
     ok("rebuild took the earlier steps from the cache", len(cached) == 8, text2[-3000:])
     ok("rebuild ran the changed last step", "[9/9] RUN echo two" in text2 and "CACHED [9/9]" not in text2, text2[-3000:])
+    ran = [line for line in logs2 if "step-output-line" in line and "echo step-output-line" not in line]
+    ok("rebuild did not rerun the cached steps", not ran, ran)
+    if SDK_READY:
+        ok("rebuild waited with wait_for_url", "waiting for the ready command: curl" in text2, text2[-3000:])
     early2 = check_sandbox(ALIAS, "two")
     ok("a file stamped by an earlier step is byte-identical", early2 == early, (early, early2))
-
 
 
 def body():
@@ -111,6 +131,8 @@ def body():
     ok("Template.build returns ids", bool(info.template_id and info.build_id), info)
     ok("build logs carry step output", "step-output-line" in text, text[-2000:])
     ok("build logs name the steps", "RUN id -un" in text and "COPY app /srv/app/" in text, text[-2000:])
+    if SDK_READY:
+        ok("the build waited with wait_for_port", "waiting for the ready command: [ -n \"$(ss -Htuln sport = :8080)\" ]" in text, text[-2000:])
     ok("Template.exists(alias)", Template.exists(ALIAS))
     ok("Template.exists(unknown) is False", not Template.exists("no-such-template-here"))
     early = check_sandbox(ALIAS, "one")
@@ -137,9 +159,10 @@ def body():
     ok("a failed first build leaves no template", not Template.exists("sdk-bad"))
 
     # build_in_background + get_build_status (logsOffset).
-    bg = Template.build_in_background(
-        Template(file_context_path=ctx).from_image(IMAGE).run_cmd("echo bg-step"), "sdk-bg"
-    )
+    bg_template = Template(file_context_path=ctx).from_image(IMAGE).run_cmd("echo bg-step")
+    if SDK_READY:
+        bg_template = bg_template.set_start_cmd("exec sleep 86400", wait_for_process("sleep"))
+    bg = Template.build_in_background(bg_template, "sdk-bg")
     seen, offset = [], 0
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -151,6 +174,10 @@ def body():
         time.sleep(0.5)
     ok("build_in_background becomes ready", st.status.value == "ready", st)
     ok("status logs have levels and timestamps", all(x.level and x.timestamp for x in seen) and any("bg-step" in x.message for x in seen), seen[-5:])
+    if SDK_READY:
+        said = [x.message for x in seen]
+        waited = any("ready command: pgrep sleep" in m for m in said) and any("ready after" in m for m in said)
+        ok("the background build waited with wait_for_process", waited, said[-5:])
 
 
 if __name__ == "__main__":
