@@ -1,11 +1,19 @@
 //! The web console (docs/console.md) against the real server binary: its embedded files,
 //! their headers and the key checks of every console route (no VM), and the whole console
-//! in headless Chromium driven by Playwright (tests/console/console.mjs) with real VMs.
+//! in headless Chromium driven by Playwright (tests/console/console.cjs) with real VMs.
 
 mod common;
 
 use common::*;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
+
+/// One server at a time on a host: the tests here take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 const ID: &str = "01900000-0000-7000-8000-000000000000";
 
@@ -33,6 +41,7 @@ fn upgrade(s: &Server, sandbox: &str, extra: &str) -> (u16, String) {
 
 #[test]
 fn console_files_and_auth_without_vms() {
+    let _serial = serial();
     let s = Server::start("");
     // The page and its files need no key, carry the CSP and are what the binary embeds.
     let r = get(&s, "/console");
@@ -122,12 +131,13 @@ fn screenshots_dir() -> std::path::PathBuf {
 
 /// The whole console in headless Chromium (tests/console/console.cjs): log in, watch a
 /// template build's log, see a sandbox made through the API appear live (its XSS metadata
-/// shown as text), filter, plots with points, the terminal (`echo hi`, resize, a flood
-/// while /health answers, closing the tab kills the PTY), pause and resume from the page,
-/// the host page, phone width, delete; no console errors. One server, one sandbox.
+/// shown as text), filter, keyboard (tab order, visible focus), plots with points, the
+/// terminal (`echo hi`, the default user, resize, a flood while /health answers, closing the
+/// tab kills the PTY), pause, resume, set timeout and snapshot from the page, the host page,
+/// phone width, delete; no console errors. One server, one sandbox.
 #[test]
-#[ignore = "not yet verified on the shared host before the deadline: run alone with `--ignored` under the host lock (~3 min)"]
 fn console_in_chromium() {
+    let _serial = serial();
     let playwright = "/opt/agentenv-tests/playwright/node_modules/playwright-core";
     assert!(
         std::path::Path::new("/usr/bin/chromium").exists()
@@ -200,6 +210,8 @@ fn console_in_chromium() {
         resumes.len()
     );
     assert!(!ext.requests_for("stop").is_empty());
+    let (code, snap) = s.call("GET", "/snapshots/console-snapshot", None);
+    assert_eq!(code, 200, "the page's snapshot: {snap}");
     for page in [
         "login",
         "templates",

@@ -58,6 +58,15 @@ async function fitsWidth(page, name) {
   if (sw > w + 1) fail(`${name}: the page is ${sw}px wide in a ${w}px window`);
 }
 
+/** The focused element shows an outline (keyboard focus is visible). */
+async function focusVisible(page, what) {
+  const outline = await page.evaluate(() => {
+    const s = getComputedStyle(document.activeElement);
+    return [s.outlineStyle, parseFloat(s.outlineWidth)];
+  });
+  if (outline[0] === 'none' || !(outline[1] > 0)) fail(`no visible focus on ${what}: ${outline}`);
+}
+
 /** Logs a fresh tab in (sessionStorage is per tab), then opens hash. */
 async function loginTab(page, hash) {
   await page.goto(`${BASE}/console/`);
@@ -173,8 +182,18 @@ async function main() {
     reached = await page.evaluate((id) => document.activeElement && document.activeElement.textContent === id, id);
   }
   if (!reached) fail('Tab never reached the sandbox link');
+  await focusVisible(page, 'the sandbox link');
   await page.keyboard.press('Enter');
   await page.waitForSelector('#charts');
+  // On its page, Tab goes from the back link to the first action, with visible focus.
+  await page.waitForSelector('#action-pause');
+  await page.focus('a[href="#/sandboxes"]:not(nav a)');
+  await page.keyboard.press('Tab');
+  const first = await page.evaluate(() => document.activeElement.textContent);
+  if (first !== 'Terminal') fail(`Tab after the back link reached ${JSON.stringify(first)}`);
+  await page.keyboard.press('Tab');
+  if ((await page.evaluate(() => document.activeElement.id)) !== 'action-pause') fail('Tab did not reach Pause');
+  await focusVisible(page, 'the Pause button');
   report('keyboard-navigation');
 
   // The detail page plots metrics samples as they come.
@@ -182,10 +201,13 @@ async function main() {
     const n = await page.$eval('#charts figure', (f) => Number(f.dataset.points || 0));
     return n >= 2 && n;
   }, 40000, 500);
-  await until('the console log', () => page.$eval('#console-log', (e) => e.textContent.length > 0), 20000);
+  const mark = await api('POST', `/sandboxes/${id}/commands`, {cmd: 'sh', args: ['-c', 'echo console-tail-$((6*7)) > /dev/console']});
+  if (mark.status !== 200 || mark.data.exitCode !== 0) fail(`console line: ${mark.status} ${JSON.stringify(mark.data)}`);
+  await until('the guest\'s console line in the log tail', () => page.$eval('#console-log', (e) => e.textContent.includes('console-tail-42')), 20000);
   const settings = await page.$eval('dl.facts', (e) => e.textContent);
   if (!settings.includes(XSS) || settings.includes('envdAccessToken')) fail(`settings: ${settings}`);
-  report('detail-plot', {points});
+  const egress = await page.$eval('#egress-chart', (f) => [Number(f.dataset.points || 0), f.textContent]);
+  report('detail-plot', {points, egressPoints: egress[0], egress: egress[1]});
   await shot(page, 'sandbox-1280');
 
   // Delete asks first; Escape cancels and nothing happens.
@@ -209,6 +231,9 @@ async function main() {
   await term.keyboard.type('echo hi');
   await term.keyboard.press('Enter');
   await until('hi in the terminal', async () => (await lines()).includes('hi'), 20000);
+  await term.keyboard.type('whoami');
+  await term.keyboard.press('Enter');
+  await until('the default user in the terminal', async () => (await lines()).includes('user'), 20000);
   report('terminal-echo-hi');
   await shot(term, 'terminal-1280');
   const pty = (await envdProcesses(id)).filter((p) => p.config && p.config.cmd === '/bin/bash');
@@ -225,7 +250,7 @@ async function main() {
   const [rows, cols] = dims.split(' ').map(Number);
   if (cols >= 120 || cols < 20 || rows < 5) fail(`after the resize stty says ${dims} (${size})`);
   report('terminal-resize', {stty: dims});
-  await term.keyboard.type('yes | head -c 2000000; echo flood-$((6*7))');
+  await term.keyboard.type('yes | head -c 400000; echo flood-$((6*7))');
   await term.keyboard.press('Enter');
   const health = [];
   const started = Date.now();
@@ -258,6 +283,26 @@ async function main() {
   await page.waitForSelector('.title .badge.running', {timeout: 90000});
   if ((await api('GET', `/sandboxes/${id}`)).data.state !== 'running') fail('not running');
   report('resumed-from-page');
+
+  // Set timeout and snapshot from the page, each confirmed.
+  await page.click('#action-timeout');
+  await page.fill('#timeout-secs', '600');
+  await page.click('#confirm-ok');
+  const endAt = await until('the new timeout', async () => {
+    const left = (Date.parse((await api('GET', `/sandboxes/${id}`)).data.endAt) - Date.now()) / 1000;
+    return left > 500 && left <= 600 && left;
+  }, 20000);
+  report('timeout-from-page', {secondsLeft: Math.round(endAt)});
+  await page.waitForSelector('#action-snapshot:not([disabled])');
+  await page.click('#action-snapshot');
+  await page.fill('#snapshot-name', 'console-snapshot');
+  await page.click('#confirm-ok');
+  const snap = await until('the snapshot', async () => {
+    const r = await api('GET', '/snapshots/console-snapshot');
+    return r.status === 200 && r.data;
+  }, 120000, 500);
+  await page.waitForSelector('.title .badge.running');
+  report('snapshot-from-page', {snapshot: snap.snapshotID || snap.templateID || snap.name});
 
   // The host page plots the /metrics history, hooks by hook and status.
   await page.goto(`${BASE}/console/#/host`);

@@ -3,8 +3,10 @@
 
 import {h, s, time} from './dom.js';
 
-const W = 640, H = 220, L = 56, R = 12, T = 12, B = 28;
+const W = 640, H = 220, R = 12, T = 12, B = 28;
 const COLORS = 8;
+/** Width of one tick character in the viewBox (11px DejaVu Sans), for the left margin. */
+const CHAR_W = 7;
 
 /** A chart of series [{label, points: [[unixSecs, value], ...]}]; fmt formats values. */
 export function chart(title, series, fmt = (v) => String(Math.round(v * 100) / 100)) {
@@ -21,14 +23,21 @@ export function chart(title, series, fmt = (v) => String(Math.round(v * 100) / 1
   let v0 = Math.min(0, ...all.map((p) => p[1]));
   let v1 = Math.max(...all.map((p) => p[1]));
   if (v1 === v0) v1 = v0 + 1;
+  // Ticks at the bottom, middle and top, each label once (a middle 0.5 of a count shows
+  // as "1" twice otherwise); the left margin fits the longest label.
+  const ticks = [];
+  for (const v of [v0, v1, (v0 + v1) / 2]) {
+    if (!ticks.some((t) => t.label === fmt(v))) ticks.push({v, label: fmt(v)});
+  }
+  const L = 10 + CHAR_W * Math.max(...ticks.map((t) => t.label.length));
   const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
   const y = (v) => H - B - ((v - v0) / (v1 - v0)) * (H - T - B);
   const svg = s('svg', {viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': `${title}: ${summary(series, fmt)}`});
   svg.appendChild(s('line', {class: 'axis', x1: L, y1: H - B, x2: W - R, y2: H - B}));
   svg.appendChild(s('line', {class: 'axis', x1: L, y1: T, x2: L, y2: H - B}));
-  for (const v of [v0, (v0 + v1) / 2, v1]) {
+  for (const {v, label} of ticks) {
     svg.appendChild(s('line', {class: 'grid', x1: L, y1: y(v), x2: W - R, y2: y(v)}));
-    svg.appendChild(s('text', {class: 'tick', x: L - 4, y: y(v) + 4, 'text-anchor': 'end'}, fmt(v)));
+    svg.appendChild(s('text', {class: 'tick', x: L - 4, y: y(v) + 4, 'text-anchor': 'end'}, label));
   }
   svg.appendChild(s('text', {class: 'tick', x: L, y: H - 8}, time(t0)));
   svg.appendChild(s('text', {class: 'tick', x: W - R, y: H - 8, 'text-anchor': 'end'}, time(t1)));

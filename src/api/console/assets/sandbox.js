@@ -14,6 +14,8 @@ const SECRET = ['envdAccessToken', 'trafficAccessToken'];
 /** Metric sample fields that are no quantity to plot. */
 const NOT_PLOTTED = ['timestamp', 'timestampUnix', 'cpuCount', 'memTotal', 'diskTotal'];
 const MAX_SAMPLES = 5000;
+/** Metric sample fields that count the sandbox's egress (bytes out, refused connections). */
+const EGRESS = /^(egress|net|refused)/i;
 
 export function mount(view, [id]) {
   const title = h('h1', {}, 'Sandbox ', h('span', {class: 'mono'}, id));
@@ -162,13 +164,26 @@ function renderCharts(el, list) {
     chart('CPU use (%)', [series('cpuUsedPct', 'CPU')], (v) => `${v.toFixed(0)}%`),
     chart('Memory', [series('memUsed', 'used'), series('memTotal', 'total'), series('memCache', 'cache')].filter((x) => x.points.length), bytes),
     chart('Disk', [series('diskUsed', 'used'), series('diskTotal', 'total')].filter((x) => x.points.length), bytes),
+    ...egressCharts(list, series),
   ];
-  // Any other numeric field (egress counters, volumes, ...) gets a chart of its own.
+  // Any other numeric field (volumes, ...) gets a chart of its own.
   const known = ['cpuUsedPct', 'memUsed', 'memCache', 'diskUsed', ...NOT_PLOTTED];
-  const extra = new Set(list.flatMap((m) => Object.keys(m).filter((k) => typeof m[k] === 'number' && !known.includes(k))));
+  const extra = new Set(list.flatMap((m) => Object.keys(m).filter((k) => typeof m[k] === 'number' && !known.includes(k) && !EGRESS.test(k))));
   for (const k of extra) {
     const fmt = /bytes|Bytes|used|Used/.test(k) ? bytes : undefined;
     out.push(chart(k, [series(k, k)], fmt));
   }
   fill(el, out);
+}
+
+/** The sandbox's egress counters (bytes in one chart, counts in another), or a note when
+ * the server reports none. */
+function egressCharts(list, series) {
+  const keys = [...new Set(list.flatMap((m) => Object.keys(m).filter((k) => typeof m[k] === 'number' && EGRESS.test(k))))];
+  const sized = keys.filter((k) => /bytes/i.test(k));
+  const counts = keys.filter((k) => !sized.includes(k));
+  const figure = chart('Egress', sized.map((k) => series(k, k)), bytes);
+  figure.id = 'egress-chart';
+  if (!sized.length) fill(figure.querySelector('p.empty'), 'No egress byte counters: this server reports none per sandbox yet.');
+  return counts.length ? [figure, chart('Egress connections', counts.map((k) => series(k, k)), (v) => v.toFixed(0))] : [figure];
 }
