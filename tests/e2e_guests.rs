@@ -3,12 +3,14 @@
 //! registry into a cold-started sandbox, which the python SDK then drives as E2B's
 //! default account `user` (tests/sdk/guest_user.py): provisioned at boot, with its own
 //! file permissions and passwordless sudo. The same server builds the default template
-//! `base` at startup (`[templates] build_base`), which a bare `Sandbox.create()` uses.
+//! `base` at startup (`[templates] build_base`), which a bare `Sandbox.create()` uses
+//! (a create sent while it still builds waits for it). Templates from the Debian image
+//! are built with both SDKs' Template builders (tests/sdk/template_build.py, .mjs).
 
 mod common;
 
 use common::registry::{Auth, TestRegistry};
-use common::sdk::{finish, sdk_tools};
+use common::sdk::{finish, run_sdk_with, sdk_tools};
 use common::*;
 use serde_json::json;
 use std::time::Duration;
@@ -22,6 +24,21 @@ fn debian_image_from_the_registry_runs_python() {
     let reference = registry.push_layout(&format!("{image}:12"), "debian", "12");
     let mut server = Server::configure(&scratch_dir(), &[], "");
     server.spawn_with_env(&[("AENV_TEMPLATES_BUILD_BASE", "true")]);
+    // A create from `base` while it is still building waits for the build, not 400.
+    let (_, base) = server.call("GET", "/templates/base", None);
+    assert!(
+        base["buildStatus"] == "waiting" || base["buildStatus"] == "building",
+        "{base}"
+    );
+    let url = format!("{}/sandboxes", server.base);
+    let early = std::thread::spawn(move || {
+        ureq::post(&url)
+            .set("X-API-Key", API_KEY)
+            .timeout(Duration::from_secs(120))
+            .send_json(json!({"templateID": "base", "timeout": 60}))
+            .map(|r| r.into_json::<serde_json::Value>().unwrap())
+            .map_err(|e| e.to_string())
+    });
     let created = server.create(json!({"image": reference, "timeout": 300}));
     let id = id_of(&created);
     let v = server.exec(
@@ -41,17 +58,18 @@ fn debian_image_from_the_registry_runs_python() {
         "user:x:1000:1000:user:/home/user:/bin/bash\nuser 755\nuser ALL=(ALL:ALL) NOPASSWD: ALL\n1\n",
         "{v}"
     );
-    // Built from the built-in image in the background since startup.
-    let built = wait_until(Duration::from_secs(300), || {
-        server.call("GET", "/templates/base", None).1["buildStatus"] == "ready"
-    });
+    // Built from the built-in image in the background since startup; the early create
+    // waited for it.
+    let early = early.join().unwrap();
     let (_, base) = server.call("GET", "/templates/base", None);
-    assert!(
-        built,
-        "the default template was not built: {base}\n{}",
-        server.log()
-    );
-    let (python, _) = sdk_tools();
+    assert_eq!(base["buildStatus"], "ready", "{base}\n{}", server.log());
+    let early_id = match &early {
+        Ok(v) => id_of(v),
+        Err(e) => panic!("the create from base while it built: {e}\n{}", server.log()),
+    };
+    let (status, _) = server.call("DELETE", &format!("/sandboxes/{early_id}"), None);
+    assert_eq!(status, 204);
+    let (python, js_module) = sdk_tools();
     let script = format!("{}/tests/sdk/guest_user.py", env!("CARGO_MANIFEST_DIR"));
     let mut cmd = std::process::Command::new(&python);
     cmd.arg(&script)
@@ -93,6 +111,17 @@ fn debian_image_from_the_registry_runs_python() {
         .env("AENV_TEST_CACHE", "1")
         .env_remove("E2B_DOMAIN");
     let lines = finish(&server, &script, cmd);
+    println!("{}", lines.join("\n"));
+
+    // The same template with the JS SDK (its own last step), on the layers the python
+    // build left in the step cache where both SDKs send the same steps.
+    let lines = run_sdk_with(
+        &server,
+        "node",
+        "template_build.mjs",
+        Some(&js_module),
+        &[("AENV_TEST_IMAGE", &reference)],
+    );
     println!("{}", lines.join("\n"));
 
     // The start command's server answers through the port routing on the API port.

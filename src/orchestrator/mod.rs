@@ -67,6 +67,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+/// How long a create waits for a template still building (below the SDKs' 60 s request
+/// timeout).
+const BUILD_WAIT: Duration = Duration::from_secs(45);
+
 /// `POST /sandboxes-cold`, checked field by field by the API.
 #[derive(Debug, Clone)]
 pub struct ColdStart {
@@ -658,16 +662,46 @@ impl Orchestrator {
         result
     }
 
+    /// The snapshot `key` names. While a `POST /templates` build of that name is still
+    /// queued or running (the default template `base` on a fresh server), waits for it
+    /// up to [`BUILD_WAIT`], as the SDKs expect `Sandbox.create()` to work right after
+    /// startup; 409 when it is still not done.
+    fn snapshot_when_built(&self, key: &str) -> Result<Option<SnapshotRecord>, OrchError> {
+        let deadline = std::time::Instant::now() + BUILD_WAIT;
+        loop {
+            if let Some(snap) = self.shared.snapshots.lookup(key) {
+                return Ok(Some(snap));
+            }
+            let building = self
+                .shared
+                .builds
+                .find(key)
+                .filter(|b| matches!(b.status, BuildStatus::Waiting | BuildStatus::Building));
+            match building {
+                None => return Ok(None),
+                Some(b) if std::time::Instant::now() >= deadline => {
+                    return Err(OrchError::Conflict(format!(
+                        "template {} is still {} after {}s: try again when GET /templates/{} says ready",
+                        b.name,
+                        b.status.as_str(),
+                        BUILD_WAIT.as_secs(),
+                        b.name
+                    )))
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
     fn create_from_snapshot_inner(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         // An E2B template (name, name:tag or id) means its ready build's snapshot.
         let key = match self.shared.catalog.resolve(&req.template) {
             Some(build) => build?,
             None => req.template.clone(),
         };
-        let snap =
-            self.shared.snapshots.lookup(&key).ok_or_else(|| {
-                OrchError::BadRequest(format!("template {} not found", req.template))
-            })?;
+        let snap = self
+            .snapshot_when_built(&key)?
+            .ok_or_else(|| OrchError::BadRequest(format!("template {} not found", req.template)))?;
         let resources = snap.settings.resources;
         for (field, asked, has) in [
             ("cpuCount", req.cpu_count, resources.cpu_count),
