@@ -34,6 +34,12 @@ fn e2b_template_builds_end_to_end() {
         "{out}\ntemplate_build.py took {:.1}s",
         started.elapsed().as_secs_f64()
     );
+    let started = Instant::now();
+    dockerfile_through_the_cli(&s);
+    println!(
+        "the Dockerfile builds took {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
     // Nothing is left of the builds: no build VM dirs, no sandboxes, every start stopped.
     let builds_dir = s.state_dir.join("template-builds");
     assert!(
@@ -230,4 +236,174 @@ fn run_script(s: &Server, program: &str, script: &str, env: &[(&str, &str)]) -> 
             .join("\n")
     );
     output
+}
+
+/// The Dockerfile of [`dockerfile_through_the_cli`]: every instruction the CLI takes.
+const DOCKERFILE: &str = r#"# syntax=docker/dockerfile:1
+ARG BASE
+FROM ${BASE} AS app
+ARG WHO=nobody
+ENV STAMP_DIR=/srv/df PATH=/srv/df/bin:$PATH
+WORKDIR $STAMP_DIR
+COPY --chown=user --chmod=0640 app ./app/
+ADD tool.sh /usr/local/bin/
+RUN echo "built by $WHO" > who && echo "$PATH" > path && \
+    id -un > runner && echo df-step-output
+RUN ["sh", "-c", "echo exec-form > exec"]
+USER user
+EXPOSE 8080
+CMD ["httpd", "-f", "-p", "8080", "-h", "/srv/df"]
+"#;
+
+/// `agentenv template build --file Dockerfile`: built (with `--json` events), a sandbox
+/// from it sees what the steps left, a rebuild takes every step from the cache and skips
+/// the uploads (plain progress), and a malformed Dockerfile is refused naming its line
+/// before anything reaches the server.
+fn dockerfile_through_the_cli(s: &Server) {
+    let ctx = s.state_dir.parent().unwrap().join("df-context");
+    std::fs::create_dir_all(ctx.join("app/sub")).unwrap();
+    std::fs::write(ctx.join("app/hello.txt"), "hello from the dockerfile\n").unwrap();
+    std::fs::write(ctx.join("app/sub/deep.txt"), "deep\n").unwrap();
+    std::fs::write(ctx.join("tool.sh"), "#!/bin/sh\necho df-tool-ran\n").unwrap();
+    std::fs::set_permissions(
+        ctx.join("tool.sh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::write(ctx.join("Dockerfile"), DOCKERFILE).unwrap();
+    let base = format!("BASE={}", base_image());
+    let build = |json: bool| {
+        let mut args = vec!["template", "build", "--file"];
+        let file = ctx.join("Dockerfile");
+        let file = file.to_str().unwrap();
+        args.extend([file, "--alias", "df-app", "--build-arg", &base]);
+        args.extend(["--build-arg", "WHO=cli", "--ready-cmd"]);
+        args.extend([
+            "wget -q -O- http://127.0.0.1:8080/who",
+            ctx.to_str().unwrap(),
+        ]);
+        if json {
+            args.insert(0, "--json");
+        }
+        cli(s, &args)
+    };
+    let (code, stdout, stderr) = build(true);
+    assert_eq!(code, 0, "{stdout}\n{stderr}\n{}", s.log());
+    let events: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let messages: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["message"].as_str())
+        .collect();
+    let said = |needle: &str| messages.iter().any(|m| m.contains(needle));
+    assert!(
+        said("EXPOSE has no meaning") && said("df-step-output"),
+        "{stdout}"
+    );
+    assert!(said("RUN sh -c 'echo exec-form > exec'"), "{stdout}");
+    let uploads: Vec<&Value> = events.iter().filter(|e| e["event"] == "files").collect();
+    assert_eq!(uploads.len(), 2, "{stdout}");
+    assert!(uploads.iter().all(|u| u["uploaded"] == true), "{stdout}");
+    let result = events.last().unwrap();
+    assert_eq!(result["event"], "result", "{stdout}");
+    assert_eq!(result["status"], "ready", "{stdout}");
+
+    let id = s.create_from("df-app", 120);
+    let seen = sh(
+        s,
+        &id,
+        "cd /srv/df && cat who runner exec path && stat -c '%U %a' app/hello.txt app/sub/deep.txt \
+         && /usr/local/bin/tool.sh && echo \"[$STAMP_DIR][$WHO]\" \
+         && wget -q -O- http://127.0.0.1:8080/exec && ps -o user,args | grep '[h]ttpd -f'",
+    );
+    // The start command (CMD) runs as the file's last USER and serves after the resume.
+    assert_eq!(
+        seen.split_whitespace().collect::<Vec<_>>().join(" "),
+        "built by cli root exec-form /srv/df/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+         user 640 user 640 df-tool-ran [][] exec-form \
+         user httpd -f -p 8080 -h /srv/df",
+        "{seen}"
+    );
+    let (status, _) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(status, 204);
+
+    // The same again, plain: the files are on the server, every step is cached.
+    let (code, stdout, stderr) = build(false);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.trim(),
+        result["templateID"].as_str().unwrap(),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("files app: already on the server"),
+        "{stderr}"
+    );
+    let cached = stderr.lines().filter(|l| l.contains("CACHED [")).count();
+    let steps = result_steps(&stderr);
+    assert!(
+        cached > 0 && cached == steps,
+        "{cached} of {steps} cached:\n{stderr}"
+    );
+    assert!(
+        stderr.lines().all(|l| !l.ends_with("] df-step-output")),
+        "{stderr}"
+    );
+    assert!(stderr.lines().any(|l| l.starts_with("[00:")), "{stderr}");
+
+    // Malformed: refused before a template exists, naming the line.
+    std::fs::write(
+        ctx.join("Bad.dockerfile"),
+        "FROM busybox\nRUN true\nCOPY --from=builder /a /b\n",
+    )
+    .unwrap();
+    let bad = ctx.join("Bad.dockerfile");
+    let (code, _, stderr) = cli(
+        s,
+        &[
+            "template",
+            "build",
+            "--file",
+            bad.to_str().unwrap(),
+            "--alias",
+            "df-bad",
+            ctx.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("Dockerfile line 3: COPY --from is not supported"),
+        "{stderr}"
+    );
+    assert_eq!(s.call("GET", "/templates/df-bad", None).0, 404);
+    let _ = std::fs::remove_dir_all(&ctx);
+}
+
+/// How many steps the build log numbered (`[i/n]`): n.
+fn result_steps(log: &str) -> usize {
+    log.lines()
+        .filter_map(|l| l.split_once("] ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.trim_start_matches("CACHED ").strip_prefix('['))
+        .filter_map(|r| r.split_once(']').and_then(|(n, _)| n.split_once('/')))
+        .filter_map(|(_, total)| total.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Runs the CLI against `s`: exit code, stdout, stderr.
+fn cli(s: &Server, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentenv"))
+        .args(args)
+        .env("AENV_URL", &s.base)
+        .env("AENV_API_KEY", API_KEY)
+        .env_remove("AENV_CONFIG_PATH")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

@@ -21,13 +21,15 @@ pub enum CliError {
     Local(String),
     /// An accepted operation ended badly (a template build in `error`).
     Failed(String),
+    /// A Dockerfile the CLI cannot turn into a build (the message names the line).
+    Dockerfile(String),
 }
 
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Local(_) => 1,
-            CliError::Usage(_) => 2,
+            CliError::Usage(_) | CliError::Dockerfile(_) => 2,
             CliError::Unreachable(_) => 3,
             CliError::Api { status: 404, .. } => 4,
             CliError::Api { status: 409, .. } => 5,
@@ -46,9 +48,11 @@ impl CliError {
 impl std::fmt::Display for CliError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CliError::Usage(m) | CliError::Local(m) | CliError::NoKey(m) | CliError::Failed(m) => {
-                f.write_str(m)
-            }
+            CliError::Usage(m)
+            | CliError::Local(m)
+            | CliError::NoKey(m)
+            | CliError::Failed(m)
+            | CliError::Dockerfile(m) => f.write_str(m),
             CliError::Unreachable(m) => write!(f, "cannot reach the server: {m}"),
             CliError::Api { status, message } => write!(f, "{message} (HTTP {status})"),
         }

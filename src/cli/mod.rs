@@ -4,6 +4,8 @@
 
 mod args;
 mod client;
+mod dockerfile;
+mod dockerfile_build;
 mod exec;
 
 use args::Args;
@@ -29,6 +31,8 @@ usage: agentenv [--url URL] [--api-key KEY] [--config PATH] [--json] COMMAND ...
   sandbox logs ID [--lines N]   the guest console
   template build NAME --image REF [--start-cmd CMD] [--cpu N] [--memory MB] [--disk MB]
                  [--env K=V]... [--no-wait]
+  template build --file Dockerfile [--alias NAME] [--start-cmd CMD] [--ready-cmd CMD]
+                 [--build-arg K=V]... [--cpu N] [--memory MB] [CONTEXT]
   template ls
   template rm NAME...
   snapshot create ID [--name NAME]
@@ -38,9 +42,9 @@ usage: agentenv [--url URL] [--api-key KEY] [--config PATH] [--json] COMMAND ...
 
 The server: --url, else AENV_URL, else the local config's listen address.
 The key: --api-key, else AENV_API_KEY, else the local config's key or <state_dir>/api-key.
-Exit codes: 0 ok, 1 local file error, 2 usage, 3 server unreachable, 4 not found,
-5 wrong state (409), 6 no or wrong API key, 7 request refused (other 4xx),
-8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code,
+Exit codes: 0 ok, 1 local file error, 2 usage or a Dockerfile the client cannot read,
+3 server unreachable, 4 not found, 5 wrong state (409), 6 no or wrong API key, 7 request
+refused (other 4xx), 8 server-side failure (5xx, failed build); `sandbox exec` exits with the command's code,
 128+N after signal N, 124 after --timeout, 127 when the command could not be started.
 
 The server itself: agentenv serve [--config PATH]; agentenv --version; docs/operations.md.";
@@ -460,6 +464,9 @@ fn sandbox_logs(c: &Client, a: &mut Args) -> Result<u8, CliError> {
 }
 
 fn template_build(c: &Client, out: &Output, a: &mut Args) -> Result<u8, CliError> {
+    if let Some(file) = a.value("--file")? {
+        return dockerfile_build::template_build(c, out, a, &file);
+    }
     let image = a
         .value("--image")?
         .ok_or_else(|| CliError::Usage("template build needs --image REF".into()))?;

@@ -67,7 +67,7 @@ impl StepRunner<'_> {
                     format!("CACHED [{name}/{total}] {}", step.kind.describe()),
                     Some(&name),
                 );
-                self.state.apply(&step.kind);
+                self.state.apply(&step.kind, &self.image_env);
                 continue;
             }
             let fail = |message: String| StepFailure {
@@ -82,7 +82,7 @@ impl StepRunner<'_> {
                 Some(&name),
             );
             self.run_one(&name, &step.kind, copier).map_err(fail)?;
-            self.state.apply(&step.kind);
+            self.state.apply(&step.kind, &self.image_env);
             on_step_done(i, self);
             self.log.push(
                 LogLevel::Info,

@@ -112,12 +112,18 @@ impl StepState {
     }
 
     /// Takes in what a step changes (ENV, WORKDIR, USER); RUN and COPY change nothing here.
-    pub fn apply(&mut self, step: &StepKind) {
+    /// An ENV value's `$NAME`/`${NAME}` are the values before the step (earlier ENV steps,
+    /// else `image_env`), as `PATH=/opt/bin:$PATH` means; names neither has stay as
+    /// written, so a `$` in a secret is kept.
+    pub fn apply(&mut self, step: &StepKind, image_env: &BTreeMap<String, String>) {
         match step {
             StepKind::Env { vars } => {
-                for (k, v) in vars {
-                    self.env.insert(k.clone(), v.clone());
-                }
+                let lookup = |n: &str| self.env.get(n).or_else(|| image_env.get(n)).cloned();
+                let expanded: Vec<(String, String)> = vars
+                    .iter()
+                    .map(|(k, v)| (k.clone(), expand_env(v, &lookup)))
+                    .collect();
+                self.env.extend(expanded);
             }
             StepKind::Workdir { dir } => self.workdir = Some(self.resolve(dir)),
             StepKind::User { user } => self.user = Some(user.clone()),
@@ -135,6 +141,45 @@ impl StepState {
             None => path.to_string(),
         }
     }
+}
+
+/// `$NAME` and `${NAME}` in `value` replaced by `lookup`'s value; a name it does not know
+/// (and any other `$`) is left as written.
+pub fn expand_env(value: &str, lookup: &dyn Fn(&str) -> Option<String>) -> String {
+    let mut out = String::with_capacity(value.len());
+    let mut rest = value;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let (name, braced) = match after.strip_prefix('{') {
+            Some(inner) => (
+                inner.split('}').next().filter(|_| inner.contains('}')),
+                true,
+            ),
+            None => (Some(after), false),
+        };
+        let name = name.map(|n| {
+            let len = n
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(n.len());
+            &n[..len]
+        });
+        // `${NAME}` must close right after the name; `$NAME` ends at the first non-name byte.
+        let whole =
+            name.filter(|n| !n.is_empty() && (!braced || after[1 + n.len()..].starts_with('}')));
+        match whole.and_then(|n| lookup(n).map(|v| (n, v))) {
+            Some((n, v)) => {
+                out.push_str(&v);
+                rest = &after[n.len() + if braced { 2 } else { 0 }..];
+            }
+            None => {
+                out.push('$');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Parses `TemplateBuildStartV2`; the error names the step and field.
@@ -407,16 +452,35 @@ mod tests {
         let mut st = StepState::default();
         assert_eq!(st.user(), "user");
         assert_eq!(st.resolve("x"), "x");
-        st.apply(&StepKind::Workdir { dir: "/app".into() });
-        st.apply(&StepKind::Workdir { dir: "sub".into() });
-        st.apply(&StepKind::User {
-            user: "root".into(),
-        });
-        st.apply(&StepKind::Env {
-            vars: vec![("A".into(), "1".into()), ("A".into(), "2".into())],
-        });
+        let image: BTreeMap<String, String> = [("PATH".to_string(), "/bin".to_string())].into();
+        st.apply(&StepKind::Workdir { dir: "/app".into() }, &image);
+        st.apply(&StepKind::Workdir { dir: "sub".into() }, &image);
+        st.apply(
+            &StepKind::User {
+                user: "root".into(),
+            },
+            &image,
+        );
+        st.apply(
+            &StepKind::Env {
+                vars: vec![("A".into(), "1".into()), ("A".into(), "2".into())],
+            },
+            &image,
+        );
         assert_eq!(st.workdir.as_deref(), Some("/app/sub"));
         assert_eq!(st.user(), "root");
         assert_eq!(st.env["A"], "2");
+        // Values are expanded from before the step: earlier ENV, then the image's env.
+        let env = StepKind::Env {
+            vars: vec![
+                ("PATH".into(), "/opt/bin:$PATH".into()),
+                ("B".into(), "${A}x-$PATH-pa$word-$-${A".into()),
+            ],
+        };
+        st.apply(&env, &image);
+        assert_eq!(st.env["PATH"], "/opt/bin:/bin");
+        assert_eq!(st.env["B"], "2x-/bin-pa$word-$-${A");
+        st.apply(&env, &image);
+        assert_eq!(st.env["PATH"], "/opt/bin:/opt/bin:/bin");
     }
 }
