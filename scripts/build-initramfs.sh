@@ -13,7 +13,9 @@ fi
 agent=$1
 moddir=$2
 out=$3
-modules="virtio_ring virtio virtio_mmio virtio_blk failover net_failover virtio_net virtio_console"
+# The NFS client (sunrpc … nfsv4, in dependency order) mounts the sandbox's volumes from
+# its slot's NFS server (docs/operations.md §11).
+modules="virtio_ring virtio virtio_mmio virtio_blk failover net_failover virtio_net virtio_console sunrpc grace lockd netfs fscache nfs dns_resolver nfsv4"
 
 [ -f "$agent" ] || { echo "agent binary $agent not found" >&2; exit 1; }
 [ -d "$moddir" ] || { echo "modules dir $moddir not found" >&2; exit 1; }

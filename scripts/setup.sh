@@ -46,7 +46,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
 need=()
-for pkg in nftables e2fsprogs busybox-static bash-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd debootstrap; do
+for pkg in nftables e2fsprogs busybox-static bash-static cpio lz4 iproute2 qemu-utils docker-registry skopeo apache2-utils systemd debootstrap nfs-ganesha nfs-ganesha-vfs; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need+=("$pkg")
 done
 major=$(qemu_major || true)

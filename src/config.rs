@@ -56,6 +56,38 @@ pub struct Config {
     pub custom_extension: CustomExtensionConfig,
     pub templates: TemplatesConfig,
     pub admission: AdmissionConfig,
+    pub volumes: VolumesConfig,
+}
+
+/// `[volumes]`: the quota of E2B volumes (docs/operations.md, "Volumes").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumesConfig {
+    /// A volume's size when its create gives no `sizeMB`, in MiB.
+    pub default_size_mb: u64,
+    /// The largest `sizeMB` a create may ask for, in MiB.
+    pub max_size_mb: u64,
+}
+
+impl VolumesConfig {
+    /// The smallest volume: ext4 with its journal needs a few MiB.
+    pub const MIN_SIZE_MB: u64 = 16;
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let within = Self::MIN_SIZE_MB..=self.max_size_mb;
+        if self.max_size_mb < Self::MIN_SIZE_MB || !within.contains(&self.default_size_mb) {
+            return Err(ConfigError::Invalid {
+                key: "volumes.default_size_mb",
+                message: format!(
+                    "{} must lie within {}..=volumes.max_size_mb ({})",
+                    self.default_size_mb,
+                    Self::MIN_SIZE_MB,
+                    self.max_size_mb
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// `[admission]`: bounds on the memory and vCPUs of all running VMs together.
@@ -611,6 +643,7 @@ impl Config {
         if self.agent.max_concurrent_commands == 0 {
             return invalid("agent.max_concurrent_commands", "must be at least 1".into());
         }
+        self.volumes.validate()?;
         self.admission.validate()
     }
 }

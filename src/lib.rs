@@ -21,3 +21,4 @@ pub mod store;
 pub mod sys;
 pub mod util;
 pub mod vm;
+pub mod volume;

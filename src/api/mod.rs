@@ -18,6 +18,7 @@ mod network;
 mod query;
 mod routes;
 mod signed_url;
+mod volumes;
 
 pub use error::ApiError;
 
@@ -431,11 +432,13 @@ fn check_auth(ctx: &Context, request: &Request) -> Result<(), ApiError> {
 /// Whether `method path` is served without the API key (api.md §1.2, docs/console.md).
 fn exempt(method: &tiny_http::Method, path: &str, metrics_open: bool) -> bool {
     let is_get = *method == tiny_http::Method::Get;
-    // A build's upload link carries its own token instead (checked by its handler).
+    // A build's upload link and the volume content API carry their own tokens instead
+    // (checked by their handlers).
     let upload = *method == tiny_http::Method::Put
         && path.starts_with("/templates/")
         && path.contains("/files/");
     upload
+        || volumes::is_content(path)
         || console::is_public(method, path)
         || is_get
             && (path == "/health"
@@ -556,8 +559,9 @@ mod tests {
         assert_eq!(lane(Method::Get, &metrics), Lane::Io);
     }
 
-    /// Every route needs the key except health, the document, metrics (when open) and
-    /// the console's files; the terminal checks the key itself (`console::terminal`).
+    /// Every route needs the key except health, the document, metrics (when open), the
+    /// console's files and the volume content API; the terminal checks the key itself
+    /// (`console::terminal`).
     #[test]
     fn auth_of_every_route() {
         let id = "01900000-0000-7000-8000-000000000000";
@@ -579,7 +583,9 @@ mod tests {
                     | "/console/terminal/{sandboxID}"
                     | "/templates/{templateID}/files/{hash}"
             ) && !(route.path == "/templates/{templateID}/files/{hash}"
-                && route.method != Method::Put);
+                && route.method != Method::Put)
+                // The content API checks the volume's token (`volumes::authorized`).
+                || route.path.starts_with("/volumecontent/");
             assert_eq!(open, expected, "{} {}", route.method, route.path);
         }
         assert!(!exempt(&Method::Get, "/metrics", false));

@@ -74,6 +74,11 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
         "autoResume": info.settings.auto_resume,
         "onTimeout": if info.settings.auto_pause { "pause" } else { "kill" },
     });
+    let mounts = &info.settings.volume_mounts;
+    v["volumeMounts"] = json!(mounts
+        .iter()
+        .map(|m| json!({"name": m.name, "path": m.path}))
+        .collect::<Vec<_>>());
     v
 }
 

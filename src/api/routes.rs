@@ -2,6 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
+use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::config::OnTimeout;
 use crate::orchestrator::{
@@ -233,6 +234,24 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/metrics/history", Quick, |ctx, _, t| {
         metrics_history(ctx, t.query)
     }),
+    // E2B volumes (api.md §4.27) and their content API (§4.28, the volume's token).
+    r(Post, "/volumes", Control, |ctx, req, _| {
+        vol::create(ctx, req)
+    }),
+    r(Get, "/volumes", Quick, |ctx, _, _| vol::list(ctx)),
+    r(Get, "/volumes/{volumeID}", Quick, |ctx, _, t| {
+        vol::get(ctx, t.var)
+    }),
+    r(Delete, "/volumes/{volumeID}", Control, |ctx, _, t| {
+        vol::delete(ctx, t.var)
+    }),
+    r(Get, "/volumecontent/{volumeID}/path", Io, vol::stat),
+    r(Patch, "/volumecontent/{volumeID}/path", Io, vol::set_meta),
+    r(Delete, "/volumecontent/{volumeID}/path", Io, vol::remove),
+    r(Get, "/volumecontent/{volumeID}/dir", Io, vol::list_dir),
+    r(Post, "/volumecontent/{volumeID}/dir", Io, vol::make_dir),
+    r(Get, "/volumecontent/{volumeID}/file", Io, vol::read),
+    r(Put, "/volumecontent/{volumeID}/file", Io, vol::write),
     // The web console (docs/console.md): its files need no key; the terminal's
     // WebSocket is taken before routing (`console::terminal`), so a plain GET lands here.
     r(Get, "/console", Quick, |_, _, _| console::redirect()),
@@ -451,6 +470,7 @@ fn create_fields(
         allow_internet_access: internet_access(ctx, f)?,
         ingress: ingress_field(f)?,
         network: super::network::create_policy(f)?,
+        volume_mounts: vol::mounts_field(f)?,
     })
 }
 

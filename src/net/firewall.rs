@@ -1,7 +1,9 @@
 //! nftables rulesets: the per-slot table `ip agentenv` (network.md §5.1) and the root
 //! table `inet agentenv` (§5.2, §5.4). Pure text generation; loading is in `host`.
 
-use super::layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, LINK_PREFIX, TAP_NAME, VETH_NS_NAME};
+use super::layout::{
+    SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_NFS_PORT, LINK_PREFIX, TAP_NAME, VETH_NS_NAME,
+};
 use crate::config::{Cidr, NetworkConfig};
 use std::fmt::Write;
 
@@ -149,6 +151,7 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
          \t}}\n\
          \tchain input {{\n\
          \t\ttype filter hook input priority filter; policy accept;\n\
+         \t\tiifname \"{TAP_NAME}\" ip daddr {GUEST_GATEWAY} tcp dport {GUEST_NFS_PORT} accept\n\
          \t\tiifname \"{TAP_NAME}\" ct state new drop\n\
          \t}}\n\
          \tchain forward {{\n\

@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 21);
 /// The guest's gateway: `tap0`'s address, the same in every slot.
 pub const GUEST_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 22);
+/// The port of the NFS server that serves a sandbox's volumes on its gateway, inside its
+/// slot (docs/operations.md §11); nothing listens there for a sandbox without volumes.
+pub const GUEST_NFS_PORT: u16 = 2049;
 /// Prefix length of the guest link.
 pub const GUEST_PREFIX: u8 = 30;
 /// The guest NIC's MAC.

@@ -16,7 +16,9 @@ mod slot;
 mod real_tests;
 
 pub use firewall::{EgressRules, MAX_GUEST_CONNECTIONS};
-pub use layout::{SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, TAP_MAC, TAP_NAME};
+pub use layout::{
+    SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_NFS_PORT, TAP_MAC, TAP_NAME,
+};
 pub use manager::{SlotManager, SlotStats};
 #[cfg(test)]
 pub(crate) use slot::tests::FakeHost;

@@ -64,6 +64,20 @@ impl From<crate::image::ImageError> for OrchError {
     }
 }
 
+impl From<crate::volume::VolumeError> for OrchError {
+    fn from(e: crate::volume::VolumeError) -> OrchError {
+        let m = e.to_string();
+        match e.status() {
+            400 => OrchError::BadRequest(m),
+            404 => OrchError::NotFound(m),
+            409 => OrchError::Conflict(m),
+            503 => OrchError::Unavailable(m),
+            507 => OrchError::InsufficientStorage(m),
+            _ => OrchError::Internal(m),
+        }
+    }
+}
+
 impl From<crate::net::NetError> for OrchError {
     fn from(e: crate::net::NetError) -> OrchError {
         match e {

@@ -108,6 +108,7 @@ impl Rig {
             params: settings.custom_extension_params,
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(&self.registry, id),
+            volumes: Vec::new(),
         }
     }
 

@@ -25,6 +25,7 @@ pub(crate) fn settings() -> SandboxSettings {
         ingress: Default::default(),
         network: Default::default(),
         custom_extension_params: serde_json::json!({}),
+        volume_mounts: Vec::new(),
     }
 }
 

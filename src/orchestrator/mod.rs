@@ -38,6 +38,7 @@ mod step_cache;
 pub mod steps;
 mod supervisor;
 mod templates;
+mod volumes;
 mod wake;
 
 pub use build_files::UploadError;
@@ -45,7 +46,9 @@ pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
-pub use settings::{Ingress, NetworkPolicy, Resources, SandboxRequest, SandboxSettings};
+pub use settings::{
+    Ingress, NetworkPolicy, Resources, SandboxRequest, SandboxSettings, VolumeMount,
+};
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
@@ -137,6 +140,8 @@ pub(crate) struct Shared {
     /// Free space and the reserve of the state dir's filesystem.
     pub disk: StateDisk,
     pub idempotency: idempotency::IdempotencyKeys,
+    /// E2B volumes (`/volumes`, the content API).
+    pub volumes: crate::volume::VolumeStore,
     pub shutting_down: AtomicBool,
 }
 
@@ -207,7 +212,9 @@ impl Orchestrator {
             config.server.disk_reserve_mb,
             state_disk::statvfs_probe,
         );
+        let volumes = crate::volume::VolumeStore::load(config.server.state_dir.join("volumes"));
         let shared = Arc::new(Shared {
+            volumes,
             disk,
             config,
             registry,
@@ -277,12 +284,16 @@ impl Orchestrator {
     }
 
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
-    pub fn create_cold(&self, req: ColdStart) -> Result<SandboxInfo, OrchError> {
+    pub fn create_cold(&self, mut req: ColdStart) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
+        self.resolve_mounts(&mut req.request.volume_mounts)?;
+        let mounts = req.request.volume_mounts.clone();
         let shared = &self.shared;
-        let result = self.on_state_disk(DiskUse::Create, || {
-            operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req)
-        });
+        let result = self
+            .on_state_disk(DiskUse::Create, || {
+                operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req)
+            })
+            .and_then(|info| self.mount_in_guest(info, &mounts));
         self.shared.operations.record("create_cold", result.is_ok());
         if let Ok(info) = &result {
             self.log_event(&info.id, "create", &Ok(()), "sandbox created from an image");
@@ -651,9 +662,13 @@ impl Orchestrator {
     }
 
     /// `POST /sandboxes` (custom-extension.md §5.3): a new sandbox restored from a snapshot.
-    pub fn create_from_snapshot(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
+    pub fn create_from_snapshot(&self, mut req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        let result = self.on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req));
+        self.resolve_mounts(&mut req.request.volume_mounts)?;
+        let mounts = req.request.volume_mounts.clone();
+        let result = self
+            .on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req))
+            .and_then(|info| self.mount_in_guest(info, &mounts));
         self.shared.operations.record("create", result.is_ok());
         if let Ok(info) = &result {
             let from = format!("sandbox created from {}", info.settings.template_id);
@@ -738,6 +753,14 @@ impl Orchestrator {
             env_vars,
             image_env: snap.settings.image_env.clone(),
             custom_extension_params: params,
+            // A snapshot's guest has its volumes mounted already; the request adds more.
+            volume_mounts: snap
+                .settings
+                .volume_mounts
+                .iter()
+                .cloned()
+                .chain(req.request.volume_mounts)
+                .collect(),
         };
         // A template built with POST /templates keeps standbys from its first use on.
         let standby = snap.template.as_ref().and_then(|_| {
@@ -1055,6 +1078,7 @@ impl Orchestrator {
                 limit.as_secs()
             );
         }
+        self.shared.volumes.unmount_all();
         finished
     }
 }

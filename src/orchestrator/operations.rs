@@ -126,6 +126,7 @@ pub(crate) fn create_cold(
         env_vars: req.request.env_vars,
         image_env: image.env.clone(),
         custom_extension_params: req.params,
+        volume_mounts: req.request.volume_mounts,
     };
     let booted = boot_fresh(
         launcher,
@@ -143,6 +144,7 @@ pub(crate) fn create_cold(
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, &id),
+            volumes: settings.volume_mounts.clone(),
         },
     )?;
     let info = SandboxInfo::new(id.clone(), settings, booted.host_ip, booted.netns_path);
@@ -366,13 +368,14 @@ fn restore_paused(
         .lock()
         .clone()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
-    let (params, internet_access, egress, resources) = {
+    let (params, internet_access, egress, resources, volumes) = {
         let info = entry.info.lock();
         (
             info.settings.custom_extension_params.clone(),
             info.settings.internet_access,
             info.settings.network.rules(),
             info.settings.resources,
+            info.settings.volume_mounts.clone(),
         )
     };
     let dir = registry.dir(id);
@@ -403,6 +406,7 @@ fn restore_paused(
             params,
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, id),
+            volumes,
         },
     );
     match started {
@@ -526,6 +530,7 @@ pub(crate) fn clone_from_capture(
             params: settings.custom_extension_params.clone(),
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, &id),
+            volumes: settings.volume_mounts.clone(),
         },
     )?;
     let start_ms = started.elapsed().as_millis();

@@ -54,6 +54,21 @@ pub struct SandboxSettings {
     /// Snapshot records of schema 2 stored them as `params`.
     #[serde(alias = "params")]
     pub custom_extension_params: Value,
+    /// The volumes mounted into the guest (E2B's `volumeMounts`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// One volume mounted into a sandbox's guest (api.md §4.27).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    /// The volume's name, as the request gave it.
+    pub name: String,
+    /// Its id, resolved at create.
+    pub volume_id: String,
+    /// Where the guest sees it (absolute, checked).
+    pub path: String,
 }
 
 fn full_pause() -> bool {
@@ -106,6 +121,9 @@ pub struct SandboxRequest {
     pub allow_internet_access: Option<bool>,
     pub ingress: Ingress,
     pub network: NetworkPolicy,
+    /// `volumeMounts`, the paths checked by the API; the orchestrator resolves the names
+    /// (`volume_id` is empty until then).
+    pub volume_mounts: Vec<VolumeMount>,
 }
 
 /// A sandbox's egress policy as E2B's `network` object has it (network.md §5.6): entries

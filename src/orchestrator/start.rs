@@ -50,6 +50,8 @@ pub(crate) struct Launcher {
     pub standby: StandbyPool,
     /// VM processes that ended on their own (`agentenv_vm_deaths_total`).
     pub deaths: Arc<super::metrics::VmDeaths>,
+    /// `<state_dir>/volumes`, where the volumes a guest mounts are.
+    pub volumes_dir: PathBuf,
 }
 
 impl Launcher {
@@ -80,6 +82,7 @@ impl Launcher {
             spawn: supervisor::spawn_thread,
             standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
             deaths,
+            volumes_dir: config.server.state_dir.join("volumes"),
         }
     }
 }
@@ -116,6 +119,8 @@ pub(crate) struct StartRequest {
     pub failed_reason: StopReason,
     /// Told on the supervisor thread what happens to the VM while it runs.
     pub watch: Box<dyn Watch>,
+    /// The volumes its guest mounts: its slot's NFS server exports them.
+    pub volumes: Vec<super::settings::VolumeMount>,
 }
 
 /// A started VM: the channel to its supervisor, its agent, and its slot's facts.
@@ -188,7 +193,9 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
         params,
         failed_reason,
         watch,
+        volumes,
     } = req;
+    let exports = super::volumes::exports(&launcher.volumes_dir, &volumes);
     let standby = match &mut kind {
         StartKind::Restore { standby, .. } => standby.take(),
         StartKind::Fresh { .. } => None,
@@ -263,6 +270,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                     resources,
                     reservation,
                     watch,
+                    exports,
                 },
             )?;
             let (instance, result) = launcher.hooks.start_resume(&context);
@@ -300,6 +308,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             resources,
             reservation,
             watch,
+            exports,
         },
     )?;
     Ok(Started {

@@ -121,6 +121,8 @@ pub(crate) struct StartPlan {
     pub reservation: Reservation,
     /// Told what happens to the VM while it runs.
     pub watch: Box<dyn Watch>,
+    /// The volumes the slot's NFS server exports to the guest (none: no server).
+    pub exports: Vec<crate::volume::nfs::Export>,
 }
 
 /// What a supervisor reports about its running VM (for a registered sandbox: forget it,
@@ -295,6 +297,8 @@ struct Runtime {
     watch: Box<dyn Watch>,
     /// The guest agent's client, watched for protocol violations.
     agent: Option<Arc<AgentClient>>,
+    /// The NFS server of the guest's volumes, in the slot's namespace.
+    nfs: Option<crate::volume::nfs::NfsServer>,
 }
 
 impl Runtime {
@@ -303,6 +307,8 @@ impl Runtime {
     /// files are removed.
     fn teardown(mut self, launcher: &Launcher, reason: StopReason) {
         self.vm.kill();
+        // Killed and reaped before its namespace is released.
+        drop(self.nfs.take());
         if let Some(instance) = self.instance.take() {
             launcher.hooks.stop(instance, reason);
         }
@@ -346,6 +352,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         resources,
         reservation,
         watch,
+        exports,
     } = plan;
     let launched = Instant::now();
     let mut instance = instance;
@@ -382,6 +389,19 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         Err(e) => {
             let _ = take_hook(&mut instance);
             return Err(fail(slot, instance, &e));
+        }
+    };
+    // The guest's volumes are served before it runs, so a restored guest's NFS mounts
+    // reconnect at once.
+    let nfs = if exports.is_empty() {
+        None
+    } else {
+        match crate::volume::nfs::NfsServer::start(&run_dir.path().join("nfs"), &netns, &exports) {
+            Ok(server) => Some(server),
+            Err(e) => {
+                let _ = take_hook(&mut instance);
+                return Err(fail(slot, instance, &e));
+            }
         }
     };
     let tap = Some(crate::net::TAP_NAME.to_string());
@@ -442,17 +462,22 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         if let Ok(vm) = spawned {
             vm.kill();
         }
+        drop(nfs);
         launcher.hooks.stop(instance, failed_reason);
         launcher.net.release(slot);
         return Err(super::start::hook_error(e));
     }
     let mut vm = match spawned {
         Ok(vm) => vm,
-        Err(e) => return Err(fail(slot, instance, &e)),
+        Err(e) => {
+            drop(nfs);
+            return Err(fail(slot, instance, &e));
+        }
     };
     if restored {
         if let Err(e) = vm.resume_vcpus() {
             vm.kill();
+            drop(nfs);
             return Err(fail(slot, instance, &e));
         }
     }
@@ -465,6 +490,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         _reservation: reservation,
         watch,
         agent: None,
+        nfs,
     };
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let mut clock = Duration::ZERO;
@@ -782,6 +808,7 @@ mod tests {
             resources: crate::orchestrator::fakes::settings().resources,
             reservation: admission.reserve(128, 1).unwrap(),
             watch: Box::new(Unwatched),
+            exports: Vec::new(),
         };
         let debts = RecordedDebts::default();
         let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));

@@ -760,6 +760,7 @@ fn build(
         ingress: Default::default(),
         network: Default::default(),
         custom_extension_params: serde_json::json!({}),
+        volume_mounts: Vec::new(),
     };
     // The build VM's RAM lives in the template's directory: its capture then holds only
     // device state, and every sandbox created from the template maps the RAM file
@@ -803,6 +804,7 @@ fn build(
         failed_reason: StopReason::TemplateBuild,
         // Never registered: nothing to forget or mark.
         watch: Box::new(Unwatched),
+        volumes: Vec::new(),
     };
     let booted = match cached_disk {
         Some(_) => super::start::start(&shared.launcher, start_req)?,

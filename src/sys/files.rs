@@ -37,6 +37,15 @@ pub struct Stat {
     /// 512-byte blocks allocated.
     pub blocks: u64,
     pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Access, modification and status-change times: seconds and nanoseconds since the
+    /// epoch.
+    pub atime: (i64, i64),
+    pub mtime: (i64, i64),
+    pub ctime: (i64, i64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +137,44 @@ impl DirFd {
             nlink: st.st_nlink,
             blocks: st.st_blocks as u64,
             size: st.st_size as u64,
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            atime: (st.st_atime, st.st_atime_nsec),
+            mtime: (st.st_mtime, st.st_mtime_nsec),
+            ctime: (st.st_ctime, st.st_ctime_nsec),
         }))
+    }
+
+    /// Opens the entry `name` itself for reading (a directory too), never through a
+    /// symlink (`ELOOP`) and without blocking on a FIFO; metadata calls on the returned
+    /// file (`fchmod`, `fchown`) then act on exactly that inode.
+    pub fn open_entry(&self, name: &OsStr) -> SysResult<File> {
+        self.open_with(
+            name,
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0,
+        )
+    }
+
+    /// Opens the regular file `name` for writing, created with `mode` (less the umask)
+    /// when missing, truncated when present; never through a symlink (`ELOOP`).
+    pub fn open_truncate(&self, name: &OsStr, mode: u32) -> SysResult<File> {
+        self.open_with(
+            name,
+            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode,
+        )
+    }
+
+    fn open_with(&self, name: &OsStr, flags: libc::c_int, mode: u32) -> SysResult<File> {
+        let c = c_name("openat", name)?;
+        // SAFETY: `c` is valid for the call; the dir fd is open.
+        let fd =
+            unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags, mode as libc::c_uint) };
+        check(fd, || format!("openat {}", name.to_string_lossy()))?;
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        Ok(unsafe { File::from_raw_fd(fd) })
     }
 
     /// The names in this directory (without `.` and `..`).

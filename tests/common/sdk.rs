@@ -49,19 +49,25 @@ pub fn run_sdk_with(
     env: &[(&str, &str)],
 ) -> Vec<String> {
     let script = format!("{}/tests/sdk/{script}", env!("CARGO_MANIFEST_DIR"));
-    let mut cmd = std::process::Command::new(program);
+    let mut cmd = sdk_command(s, program, &script);
     cmd.envs(env.iter().copied());
-    cmd.arg(&script)
+    if let Some(module) = js_module {
+        cmd.env("AENV_E2B_JS", module);
+    }
+    finish(s, &script, cmd)
+}
+
+/// `program script` with the SDK pointed at `s` (add arguments, then [`finish`]).
+pub fn sdk_command(s: &Server, program: &str, script: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(program);
+    cmd.arg(script)
         .env("E2B_API_URL", &s.base)
         .env("E2B_SANDBOX_URL", &s.base)
         .env("E2B_API_KEY", API_KEY)
         .env("PYTHONUNBUFFERED", "1")
         .env_remove("E2B_DOMAIN")
         .env_remove("E2B_DEBUG");
-    if let Some(module) = js_module {
-        cmd.env("AENV_E2B_JS", module);
-    }
-    finish(s, &script, cmd)
+    cmd
 }
 
 /// Waits (bounded) for an SDK script; its `ok` lines, or a panic with its output.

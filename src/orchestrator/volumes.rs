@@ -1,0 +1,179 @@
+//! The orchestrator's door for E2B volumes (api.md §4.27): names and sizes checked here,
+//! the store (`crate::volume`) makes, mounts and removes them.
+
+use super::settings::VolumeMount;
+use super::{CommandRequest, OrchError, Orchestrator, SandboxInfo};
+use crate::config::VolumesConfig;
+use crate::volume::nfs::Export;
+use crate::volume::{Volume, VolumeRecord};
+use std::path::Path;
+use std::sync::Arc;
+
+impl Orchestrator {
+    /// `POST /volumes`: a new volume `name` of `size_mb` MiB (`[volumes] default_size_mb`
+    /// when `None`).
+    pub fn create_volume(
+        &self,
+        name: &str,
+        size_mb: Option<u64>,
+    ) -> Result<VolumeRecord, OrchError> {
+        self.refuse_when_shutting_down()?;
+        if !super::snapshots::valid_name(name) {
+            return Err(OrchError::BadRequest(format!(
+                "name: {name:?} must match [A-Za-z0-9_-]{{1,128}} and must not look like a UUID"
+            )));
+        }
+        let cfg = &self.config().volumes;
+        let size = size_mb.unwrap_or(cfg.default_size_mb);
+        if !(VolumesConfig::MIN_SIZE_MB..=cfg.max_size_mb).contains(&size) {
+            return Err(OrchError::BadRequest(format!(
+                "sizeMB: {size} must lie within {}..={} (volumes.max_size_mb)",
+                VolumesConfig::MIN_SIZE_MB,
+                cfg.max_size_mb
+            )));
+        }
+        let result = self.on_state_disk(super::DiskUse::Create, || {
+            self.shared.volumes.create(name, size).map_err(|e| match e {
+                crate::volume::VolumeError::Exists(_) => {
+                    OrchError::Conflict(format!("name: a volume named {name} exists already"))
+                }
+                other => other.into(),
+            })
+        });
+        self.shared
+            .operations
+            .record("create_volume", result.is_ok());
+        if let Ok(r) = &result {
+            log::info!(
+                "op=create_volume volumeId={} name={} sizeMB={size}",
+                r.id,
+                r.name
+            );
+        }
+        result
+    }
+
+    pub fn list_volumes(&self) -> Vec<VolumeRecord> {
+        self.shared.volumes.list()
+    }
+
+    /// A volume by id (the content API's too).
+    pub fn volume(&self, id: &str) -> Result<Arc<Volume>, OrchError> {
+        self.shared
+            .volumes
+            .get(id)
+            .ok_or_else(|| OrchError::NotFound(format!("volume {id} not found")))
+    }
+
+    /// `DELETE /volumes/{id}`: 409 while a sandbox mounts it.
+    pub fn delete_volume(&self, id: &str) -> Result<(), OrchError> {
+        self.refuse_when_shutting_down()?;
+        let volume = self.volume(id)?;
+        let users = self.volume_users(&volume.record.name);
+        if !users.is_empty() {
+            return Err(OrchError::Conflict(format!(
+                "volume {id} is mounted by sandbox {}; delete or kill those sandboxes first",
+                users.join(", ")
+            )));
+        }
+        let result = self.shared.volumes.delete(id).map_err(OrchError::from);
+        self.shared
+            .operations
+            .record("delete_volume", result.is_ok());
+        match result {
+            Ok(true) => {
+                log::info!("op=delete_volume volumeId={id}");
+                Ok(())
+            }
+            Ok(false) => Err(OrchError::NotFound(format!("volume {id} not found"))),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The sandboxes (any state) whose settings mount volume `name`.
+    fn volume_users(&self, name: &str) -> Vec<String> {
+        self.list()
+            .into_iter()
+            .filter(|info| info.settings.volume_mounts.iter().any(|m| m.name == name))
+            .map(|info| info.id)
+            .collect()
+    }
+
+    /// Resolves each mount's volume by name (400 naming the entry when there is none).
+    pub(super) fn resolve_mounts(&self, mounts: &mut [VolumeMount]) -> Result<(), OrchError> {
+        for (i, m) in mounts.iter_mut().enumerate() {
+            let volume = self.shared.volumes.by_name(&m.name).ok_or_else(|| {
+                OrchError::BadRequest(format!(
+                    "volumeMounts[{i}].name: there is no volume named {:?}; create it first (POST /volumes)",
+                    m.name
+                ))
+            })?;
+            m.volume_id = volume.record.id.clone();
+        }
+        Ok(())
+    }
+
+    /// Mounts `mounts` in the new sandbox's guest (its slot's NFS server exports them):
+    /// `mkdir -p`, then `mount -t nfs4` from the gateway. A failure deletes the sandbox
+    /// and answers 502 with what the guest said.
+    pub(super) fn mount_in_guest(
+        &self,
+        info: SandboxInfo,
+        mounts: &[VolumeMount],
+    ) -> Result<SandboxInfo, OrchError> {
+        for m in mounts {
+            let options = format!(
+                "vers=4.2,proto=tcp,hard,nosuid,nodev,addr={gw},clientaddr={ip}",
+                gw = crate::net::GUEST_GATEWAY,
+                ip = crate::net::GUEST_IP
+            );
+            let source = format!("{}:/{}", crate::net::GUEST_GATEWAY, m.name);
+            let steps: [(&str, Vec<&str>); 2] = [
+                ("mkdir", vec!["-p", &m.path]),
+                (
+                    "mount",
+                    vec!["-t", "nfs4", "-o", &options, &source, &m.path],
+                ),
+            ];
+            for (cmd, args) in steps {
+                let req = CommandRequest {
+                    cmd: cmd.to_string(),
+                    args: args.iter().map(|a| a.to_string()).collect(),
+                    env: Default::default(),
+                    cwd: "/".into(),
+                    timeout_ms: MOUNT_TIMEOUT_MS,
+                };
+                let failed = match self.run_command(&info.id, req) {
+                    Ok(r) if r.exit_code == 0 => None,
+                    Ok(r) => Some(format!("exit {}: {}", r.exit_code, r.stderr.trim())),
+                    Err(e) => Some(e.to_string()),
+                };
+                if let Some(why) = failed {
+                    let _ = self.delete(&info.id);
+                    return Err(OrchError::Upstream(format!(
+                        "volume {} could not be mounted at {} in the guest ({cmd} {why}); the sandbox was deleted",
+                        m.name, m.path
+                    )));
+                }
+            }
+        }
+        Ok(info)
+    }
+}
+
+/// Longest a guest's `mkdir` or `mount` of a volume may take.
+const MOUNT_TIMEOUT_MS: u64 = 30_000;
+
+/// Where `mounts`' volumes are on the host, for the sandbox's NFS server.
+pub(crate) fn exports(volumes_dir: &Path, mounts: &[VolumeMount]) -> Vec<Export> {
+    let mut exports: Vec<Export> = Vec::new();
+    for m in mounts {
+        if !exports.iter().any(|e| e.name == m.name) {
+            exports.push(Export {
+                name: m.name.clone(),
+                dir: crate::volume::mount_dir(volumes_dir, &m.volume_id),
+            });
+        }
+    }
+    exports
+}
