@@ -48,10 +48,7 @@ fn quarantined(s: &Server) -> Vec<PathBuf> {
 fn a_vm_that_dies_is_stopped_and_quarantined() {
     let _serial = serial();
     let ext = Extension::start();
-    let mut s = Server::start(&format!(
-        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
-        ext.url()
-    ));
+    let mut s = Server::start(&extension_toml(&ext));
     let victim = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
     let other = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
     sh(&s, &victim, "echo kept > /root/proof; sync");
@@ -179,6 +176,18 @@ impl LoopFs {
         out.lines().nth(1).unwrap().trim().parse().unwrap()
     }
 
+    /// Fills the filesystem with `<dir>/filler-N`, one fallocate, until about `leave`
+    /// bytes are free (a little less: the file's extent blocks come out of them too).
+    fn fill_about(&self, leave: u64, n: u32) -> PathBuf {
+        let path = self.dir.join(format!("filler-{n}"));
+        let bulk = self.free().saturating_sub(leave);
+        run(
+            "fallocate",
+            &["-l", &bulk.to_string(), path.to_str().unwrap()],
+        );
+        path
+    }
+
     /// Fills the filesystem with `<dir>/filler-N` until `leave` bytes are free (or none
     /// are left): fallocate for the bulk, written blocks for the rest.
     fn fill_to(&self, leave: u64, n: u32) -> PathBuf {
@@ -283,22 +292,35 @@ fn partial_files(s: &Server, running: &[&str]) -> Vec<PathBuf> {
 
 const RESERVE_MB: u64 = 250;
 
-#[test]
-fn a_full_state_disk_answers_507_and_recovers() {
-    let _serial = serial();
+/// `[custom_extension]` for the recording extension `ext`.
+fn extension_toml(ext: &Extension) -> String {
+    format!(
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+        ext.url()
+    )
+}
+
+/// A running server whose state dir is a fresh 1.5 GiB loop-mounted ext4 filesystem with
+/// `disk_reserve_mb = reserve_mb`, and its extension. Drop the server before the
+/// filesystem.
+fn on_small_disk(reserve_mb: u64) -> (Extension, LoopFs, Server) {
     let ext = Extension::start();
     let scratch = scratch_dir();
     let fs = LoopFs::new(&scratch.join("state"), 1536);
     let mut s = Server::configure_full(
         &scratch,
         &[],
-        &format!("disk_reserve_mb = {RESERVE_MB}"),
-        &format!(
-            "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
-            ext.url()
-        ),
+        &format!("disk_reserve_mb = {reserve_mb}"),
+        &extension_toml(&ext),
     );
     s.spawn();
+    (ext, fs, s)
+}
+
+#[test]
+fn a_full_state_disk_answers_507_and_recovers() {
+    let _serial = serial();
+    let (ext, fs, mut s) = on_small_disk(RESERVE_MB);
     let cold = || {
         s.call(
             "POST",
@@ -467,4 +489,231 @@ fn records(s: &Server) -> Vec<(PathBuf, Vec<u8>)> {
         .collect();
     out.sort();
     out
+}
+
+/// What the guest writes: a 1 MiB block of `yes` lines, repeated, so the host knows the
+/// file's digest.
+const PATTERN_LINE: &str = "agentenv-io-error-pause";
+
+/// The MD5 of `mb` repetitions of the 1 MiB block.
+fn pattern_digest(mb: u32) -> String {
+    let block: Vec<u8> = format!("{PATTERN_LINE}\n")
+        .bytes()
+        .cycle()
+        .take(1 << 20)
+        .collect();
+    let mut child = Command::new("md5sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for _ in 0..mb {
+        std::io::Write::write_all(&mut stdin, &block).unwrap();
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Starts, detached in the guest, a write of `mb` MiB of the pattern to `path` that
+/// bypasses the guest's page cache (each block reaches the host at once), then a marker.
+fn start_guest_write(s: &Server, id: &str, path: &str, mb: u32) {
+    let script = format!(
+        "yes {PATTERN_LINE} | head -c 1048576 > /root/block && \
+         (setsid sh -c 'for i in $(seq {mb}); do cat /root/block; done | dd of={path} bs=1M \
+         iflag=fullblock oflag=direct conv=fsync && echo ok > {path}.done' \
+         </dev/null >/dev/null 2>&1 &)"
+    );
+    sh(s, id, &script);
+}
+
+/// GET /sandboxes/{id}'s `pausedOnIoError`, if any.
+fn io_error_pause(s: &Server, id: &str) -> Option<serde_json::Value> {
+    let (code, v) = s.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(code, 200, "{v}");
+    v.get("pausedOnIoError").cloned()
+}
+
+/// An envd request through the API port's port routing; its status.
+fn envd_health(s: &Server, id: &str) -> u16 {
+    let called = ureq::get(&format!("{}/health", s.base))
+        .set("E2b-Sandbox-Id", id)
+        .set("E2b-Sandbox-Port", "49983")
+        .set("X-API-Key", API_KEY)
+        .timeout(Duration::from_secs(30))
+        .call();
+    match called {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(e) => panic!("envd /health of {id}: {e}"),
+    }
+}
+
+const GUEST_WRITE_MB: u32 = 64;
+
+#[test]
+fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
+    let _serial = serial();
+    let (ext, fs, mut s) = on_small_disk(64);
+    let id = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
+    assert!(io_error_pause(&s, &id).is_none());
+    assert_eq!(envd_health(&s, &id), 200, "envd answers before");
+
+    // The host has 16 MiB free, the guest writes 64 MiB: QEMU pauses it.
+    let filler = fs.fill_about(16 << 20, 1);
+    start_guest_write(&s, &id, "/root/big", GUEST_WRITE_MB);
+    assert!(
+        wait_until(Duration::from_secs(120), || io_error_pause(&s, &id)
+            .is_some()),
+        "the sandbox is reported paused on an I/O error\n{}",
+        s.log()
+    );
+    let pause = io_error_pause(&s, &id).unwrap();
+    let msg = pause["message"].as_str().unwrap();
+    assert!(msg.contains(&s.state_dir.display().to_string()), "{msg}");
+    assert!(pause["since"].as_str().is_some(), "{pause}");
+    let (_, v) = s.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(1.0));
+    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(1.0));
+    assert!(s.log().contains(&format!(
+        "sandboxId={id} op=watch result=paused_on_io_error"
+    )));
+
+    // Its calls answer 507 at once (the agent is never asked: it cannot answer).
+    let command = s.call(
+        "POST",
+        &format!("/sandboxes/{id}/commands"),
+        Some(json!({"cmd": "echo", "args": ["x"]})),
+    );
+    assert_507(&s, command, "a command of a paused guest");
+    assert_eq!(put_file(&s, &id, "/root/while-paused", b"x"), 507);
+    let (code, v) = s.call(
+        "GET",
+        &format!("/sandboxes/{id}/files?path=/etc/hostname"),
+        None,
+    );
+    assert_eq!(code, 507, "{v}");
+    assert_eq!(envd_health(&s, &id), 507, "envd through the proxy");
+    // A pause cannot be written on a full disk either: it runs on, still paused so.
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(code, 507, "{v}");
+    assert!(
+        wait_until(Duration::from_secs(10), || io_error_pause(&s, &id)
+            .is_some()),
+        "still paused on the I/O error"
+    );
+
+    // Space returns: the guest's write completes by itself and the file is intact.
+    std::fs::remove_file(&filler).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(120), || io_error_pause(&s, &id)
+            .is_none()),
+        "continued once space is back\n{}",
+        s.log()
+    );
+    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    let done = || {
+        let v = s.exec(&id, "cat", &["/root/big.done"]);
+        v["exitCode"] == 0
+    };
+    assert!(
+        wait_until(Duration::from_secs(120), done),
+        "the guest's write completed"
+    );
+    let digest = sh(
+        &s,
+        &id,
+        "echo 3 > /proc/sys/vm/drop_caches; md5sum /root/big",
+    );
+    let want = pattern_digest(GUEST_WRITE_MB);
+    assert!(digest.starts_with(&want), "{digest} vs {want}");
+    assert_eq!(envd_health(&s, &id), 200, "envd answers again");
+
+    // Paused on an I/O error again, a delete still ends it and leaves nothing.
+    let filler = fs.fill_about(16 << 20, 2);
+    start_guest_write(&s, &id, "/root/big2", GUEST_WRITE_MB);
+    assert!(
+        wait_until(Duration::from_secs(120), || io_error_pause(&s, &id)
+            .is_some()),
+        "paused again\n{}",
+        s.log()
+    );
+    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(2.0));
+    let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(code, 204, "{v}");
+    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    std::fs::remove_file(&filler).unwrap();
+    s.stop();
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    let starts = ext.requests_for("start-fresh").len();
+    assert_eq!(starts, 1);
+    assert_eq!(ext.requests_for("stop").len(), 1, "one stop per start");
+    drop(s);
+    drop(fs);
+}
+
+#[test]
+fn a_template_build_whose_vm_dies_fails_naming_the_death() {
+    let _serial = serial();
+    let ext = Extension::start();
+    let mut s = Server::start(&extension_toml(&ext));
+    let template = json!({"name": "dies", "image": base_image(), "memoryMB": 256,
+        "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "sleep 600"});
+    let (code, v) = s.call("POST", "/templates", Some(template));
+    assert_eq!(code, 202, "{v}");
+    // The build VM runs its start command: kill it.
+    let builds = s.state_dir.join("template-builds").display().to_string();
+    assert!(
+        wait_until(Duration::from_secs(180), || s
+            .log()
+            .contains("op=launch result=ready")),
+        "the build VM booted\n{}",
+        s.log()
+    );
+    let pids = qemu_processes_with(&builds);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    host("kill", &["-KILL", &pids[0].to_string()]);
+
+    let failed = || s.call("GET", "/templates/dies", None).1["buildStatus"] == "error";
+    assert!(
+        wait_until(Duration::from_secs(60), failed),
+        "the build failed\n{}",
+        s.log()
+    );
+    let (_, t) = s.call("GET", "/templates/dies", None);
+    let reason = t["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("the build VM died on its own") && reason.contains("SIGKILL"),
+        "{t}"
+    );
+    assert_eq!(
+        metric(
+            &s,
+            "agentenv_vm_deaths_total{kind=\"build\",cause=\"SIGKILL\"}"
+        ),
+        Some(1.0)
+    );
+    assert!(s.log().contains("result=vm_died kind=build"));
+    // Nothing of it is left: no VM, run dir, template files; one stop for its start.
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("template-builds")).is_empty());
+    let id = t["templateID"].as_str().unwrap();
+    assert!(!s.state_dir.join("snapshots").join(id).exists());
+    let stops = ext.requests_for("stop");
+    assert_eq!(ext.requests_for("start-fresh").len(), 1);
+    assert_eq!(stops.len(), 1, "one stop per start");
+    assert_eq!(stops[0].header("X-Agentenv-Stop-Reason"), Some("failure"));
+    // The name is free again and the server builds on.
+    assert_eq!(s.call("DELETE", "/templates/dies", None).0, 204);
+    s.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
 }

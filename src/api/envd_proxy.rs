@@ -175,7 +175,7 @@ impl EnvdProxy {
         };
         let route = self.orchestrator.envd_route(&dest.sandbox);
         let access = match &route {
-            EnvdRoute::Running(t) => Some(&t.access),
+            EnvdRoute::Running(t) | EnvdRoute::PausedOnIoError { target: t, .. } => Some(&t.access),
             EnvdRoute::NotRunning { access } => Some(access),
             EnvdRoute::Unknown => None,
         };
@@ -192,6 +192,11 @@ impl EnvdProxy {
         };
         let target = match route {
             EnvdRoute::Running(target) => target,
+            EnvdRoute::PausedOnIoError { message, .. } => {
+                let e =
+                    ApiError::from(crate::orchestrator::OrchError::InsufficientStorage(message));
+                return answer_error(request, &e);
+            }
             EnvdRoute::NotRunning { .. } | EnvdRoute::Unknown => {
                 self.initialized.lock().remove(&dest.sandbox);
                 return answer_error(request, &not_found(&dest.sandbox));

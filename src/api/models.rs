@@ -70,6 +70,9 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
     if let Some(violation) = &info.guest_protocol_violation {
         v["guestProtocolViolation"] = json!(violation);
     }
+    if let Some(pause) = &info.paused_on_io_error {
+        v["pausedOnIoError"] = json!({"since": rfc3339(pause.since), "message": pause.message});
+    }
     v["lifecycle"] = json!({
         "autoResume": info.settings.auto_resume,
         "onTimeout": if info.settings.auto_pause { "pause" } else { "kill" },

@@ -20,6 +20,9 @@ const GONE_CAPACITY: usize = 4096;
 pub enum EnvdRoute {
     /// A VM runs it.
     Running(EnvdTarget),
+    /// Its VM is paused on a full state disk (operations.md §10.3): calls answer 507 with
+    /// `message` until it runs again.
+    PausedOnIoError { target: EnvdTarget, message: String },
     /// Paused, between states, or deleted: its tokens still identify it.
     NotRunning { access: Access },
     /// Never seen, or deleted long ago.
@@ -108,26 +111,37 @@ fn route_of(entry: &SandboxEntry) -> EnvdRoute {
         info.state,
         SandboxState::Running | SandboxState::Snapshotting | SandboxState::Forking
     );
-    match instance {
-        Some(instance) if serving => EnvdRoute::Running(EnvdTarget {
+    let Some(instance) = instance.filter(|_| serving) else {
+        return EnvdRoute::NotRunning {
             access: Access::of(&info),
-            host_ip: info.host_ip,
-            instance,
-            env: super::merged_env(
-                &info.settings.image_env,
-                &info.settings.env_vars,
-                &Default::default(),
-            ),
-        }),
-        _ => EnvdRoute::NotRunning {
-            access: Access::of(&info),
+        };
+    };
+    let target = EnvdTarget {
+        access: Access::of(&info),
+        host_ip: info.host_ip,
+        instance,
+        env: super::merged_env(
+            &info.settings.image_env,
+            &info.settings.env_vars,
+            &Default::default(),
+        ),
+    };
+    match info.paused_on_io_error {
+        Some(pause) => EnvdRoute::PausedOnIoError {
+            target,
+            message: pause.message,
         },
+        None => EnvdRoute::Running(target),
     }
 }
 
-/// Whether `instance` still runs `id` (a long stream checks this while the guest is quiet).
+/// Whether `instance` still runs `id` (a long stream checks this while the guest is
+/// quiet; one paused on a full state disk runs on once space is back).
 pub(crate) fn instance_alive(registry: &Registry, id: &str, instance: u64) -> bool {
-    matches!(route(registry, id), EnvdRoute::Running(t) if t.instance == instance)
+    matches!(
+        route(registry, id),
+        EnvdRoute::Running(t) | EnvdRoute::PausedOnIoError { target: t, .. } if t.instance == instance
+    )
 }
 
 #[cfg(test)]

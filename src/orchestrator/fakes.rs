@@ -339,6 +339,9 @@ pub(crate) mod sides {
             }
             Ok(())
         }
+        fn paused_on_io_error(&mut self) -> Result<bool, VmError> {
+            Ok(false)
+        }
         fn boot_finished(&mut self) -> Result<(), VmError> {
             self.boots_finished.fetch_add(1, Ordering::SeqCst);
             if self.script.fail_boot_finished {

@@ -138,7 +138,7 @@ pub(crate) struct Shared {
     pub step_cache: step_cache::StepCache,
     pub operations: OperationCounters,
     /// Free space and the reserve of the state dir's filesystem.
-    pub disk: StateDisk,
+    pub disk: Arc<StateDisk>,
     pub idempotency: idempotency::IdempotencyKeys,
     /// E2B volumes (`/volumes`, the content API).
     pub volumes: crate::volume::VolumeStore,
@@ -207,11 +207,7 @@ impl Orchestrator {
             config.server.state_dir.join("template-files"),
             config.templates.max_upload_bytes,
         );
-        let disk = StateDisk::new(
-            config.server.state_dir.clone(),
-            config.server.disk_reserve_mb,
-            state_disk::statvfs_probe,
-        );
+        let disk = launcher.disk.clone();
         let volumes = crate::volume::VolumeStore::load(config.server.state_dir.join("volumes"));
         let shared = Arc::new(Shared {
             volumes,
@@ -902,6 +898,9 @@ impl Orchestrator {
         call: Call,
     ) -> Result<Arc<AgentClient>, OrchError> {
         admit(entry, id, call)?;
+        if let Some(pause) = &entry.info.lock().paused_on_io_error {
+            return Err(OrchError::InsufficientStorage(pause.message.clone()));
+        }
         entry
             .runtime
             .lock()
@@ -964,7 +963,10 @@ impl Orchestrator {
     /// failed, ...), 409 for a filesystem-only pause, 503 during shutdown.
     pub fn route_waking(&self, id: &str) -> Result<EnvdRoute, OrchError> {
         let route = envd::route(&self.shared.registry, id);
-        if matches!(route, EnvdRoute::Running(_) | EnvdRoute::Unknown) {
+        if matches!(
+            route,
+            EnvdRoute::Running(_) | EnvdRoute::PausedOnIoError { .. } | EnvdRoute::Unknown
+        ) {
             return Ok(route);
         }
         self.refuse_when_shutting_down()?;

@@ -31,7 +31,8 @@ pub(crate) fn save_running(dir: &std::path::Path, info: &SandboxInfo) -> Result<
 }
 
 /// The watch of a registered sandbox's VM: a VM that died is forgotten (404 from then
-/// on), a guest that broke the agent protocol is marked (`guestProtocolViolation`).
+/// on), a guest that broke the agent protocol is marked (`guestProtocolViolation`), and
+/// so is one paused on a full state disk (`pausedOnIoError`).
 pub(crate) struct Registered {
     registry: Weak<Registry>,
     id: String,
@@ -74,6 +75,13 @@ impl Watch for Registered {
             return;
         };
         entry.info.lock().guest_protocol_violation = Some(reason.to_string());
+    }
+
+    fn io_error_paused(&self, pause: Option<&super::sandbox::IoErrorPause>) {
+        let Some(entry) = self.registry.upgrade().and_then(|r| r.entry(&self.id).ok()) else {
+            return;
+        };
+        entry.info.lock().paused_on_io_error = pause.cloned();
     }
 }
 

@@ -163,6 +163,19 @@ pub struct SandboxInfo {
     /// closed, commands and file transfers fail until the sandbox is deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_protocol_violation: Option<String>,
+    /// Set while QEMU keeps the VM paused because a write to its disk found the state
+    /// dir full (operations.md §10.3): its calls answer 507 with the message. Not stored:
+    /// only a running VM can be paused so.
+    #[serde(skip)]
+    pub paused_on_io_error: Option<IoErrorPause>,
+}
+
+/// A running sandbox's VM paused by QEMU on a full state disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IoErrorPause {
+    pub since: SystemTime,
+    /// What its commands, files and envd answer with (507).
+    pub message: String,
 }
 
 impl SandboxInfo {
@@ -185,6 +198,7 @@ impl SandboxInfo {
             envd_access_token: crate::util::new_secret(),
             traffic_access_token: crate::util::new_secret(),
             guest_protocol_violation: None,
+            paused_on_io_error: None,
         }
     }
 }
@@ -297,10 +311,13 @@ impl SandboxEntry {
         }
     }
 
-    /// Where the guest agent listens while the sandbox runs; `None` otherwise.
+    /// Where the guest agent listens while the sandbox runs; `None` otherwise (also while
+    /// its VM is paused on an I/O error: it cannot answer).
     pub fn guest_agent_addr(&self, agent_port: u16) -> Option<std::net::SocketAddr> {
         let info = self.info.lock();
-        let running = info.state == SandboxState::Running && self.runtime.lock().is_some();
+        let running = info.state == SandboxState::Running
+            && info.paused_on_io_error.is_none()
+            && self.runtime.lock().is_some();
         running.then(|| std::net::SocketAddr::from((info.host_ip, agent_port)))
     }
 

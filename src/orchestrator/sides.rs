@@ -112,6 +112,11 @@ pub(crate) trait Machine: Send {
     fn console_tail(&self, lines: usize) -> String;
     /// How the VM process ended, if it has.
     fn exited(&mut self) -> Option<VmExit>;
+    /// [`Machine::exited`], waiting up to `grace` for a process that may be exiting.
+    fn exited_within(&mut self, grace: Duration) -> Option<VmExit> {
+        let _ = grace;
+        self.exited()
+    }
     /// Kills the VM process and reaps it.
     fn kill(self: Box<Self>);
     /// Captures the VM into `dir` and makes it quit (custom-extension.md §5.4).
@@ -123,6 +128,9 @@ pub(crate) trait Machine: Send {
         disk: DiskCapture,
     ) -> Result<(CaptureRecord, CaptureStats), VmError>;
     fn resume_vcpus(&mut self) -> Result<(), VmError>;
+    /// Whether QEMU stopped the guest because a write to its disk found the host's
+    /// filesystem full ([`Machine::resume_vcpus`] retries the write).
+    fn paused_on_io_error(&mut self) -> Result<bool, VmError>;
     /// On a [`Machines::standby`] VM: loads `record`'s state; the vCPUs stay stopped.
     fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError>;
     /// The guest of a cold boot has booted: drop what only its boot needed.
@@ -175,6 +183,9 @@ impl Machine for Vm {
     fn exited(&mut self) -> Option<VmExit> {
         self.try_wait().map(VmExit::from)
     }
+    fn exited_within(&mut self, grace: Duration) -> Option<VmExit> {
+        self.wait_timeout(grace).map(VmExit::from)
+    }
     fn kill(self: Box<Self>) {
         Vm::kill(*self)
     }
@@ -190,6 +201,9 @@ impl Machine for Vm {
     }
     fn resume_vcpus(&mut self) -> Result<(), VmError> {
         Vm::resume_vcpus(self)
+    }
+    fn paused_on_io_error(&mut self) -> Result<bool, VmError> {
+        Vm::paused_on_io_error(self)
     }
     fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError> {
         let load_ms = Vm::load_incoming(self, record)?;

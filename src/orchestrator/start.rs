@@ -21,6 +21,7 @@ use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
 use super::sides::{Extension, Machines, Network};
 use super::standby::{Prepared, StandbyPool};
+use super::state_disk::StateDisk;
 use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
@@ -52,6 +53,8 @@ pub(crate) struct Launcher {
     pub deaths: Arc<super::metrics::VmDeaths>,
     /// `<state_dir>/volumes`, where the volumes a guest mounts are.
     pub volumes_dir: PathBuf,
+    /// The state dir's filesystem: what a guest paused on it being full waits for.
+    pub disk: Arc<StateDisk>,
 }
 
 impl Launcher {
@@ -83,6 +86,11 @@ impl Launcher {
             standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
             deaths,
             volumes_dir: config.server.state_dir.join("volumes"),
+            disk: Arc::new(StateDisk::new(
+                config.server.state_dir.clone(),
+                config.server.disk_reserve_mb,
+                super::state_disk::statvfs_probe,
+            )),
         }
     }
 }

@@ -2,10 +2,15 @@
 //! `[server] disk_reserve_mb` check that refuses creates, resumes, snapshots and builds up
 //! front (507), and the classification that turns a write that failed because the disk is
 //! full into a 507 naming the state dir and the bytes needed. Runs on the calling API
-//! thread, before and after the operation; it holds no lock.
+//! thread, before and after the operation; it holds no lock. Supervisors use it too, for
+//! a guest that QEMU paused because its disk write found the state dir full
+//! (operations.md §10.3): the message its calls answer with, whether there is room to
+//! continue it, and the counts `/metrics` shows.
 
 use super::error::OrchError;
+use super::sandbox::IoErrorPause;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What an operation is about to write on the state dir, for the reserve and the 507.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +32,10 @@ pub(crate) enum DiskUse {
 
 /// The least an operation that writes a disk overlay or an image is taken to need.
 const MIN_NEED: u64 = 64 << 20;
+
+/// Free bytes a guest paused on a full state disk waits for before it is continued: a
+/// write that found no room then lands, and the next one that finds none pauses it again.
+pub(crate) const GUEST_CONTINUE_FREE: u64 = MIN_NEED;
 
 impl DiskUse {
     /// Refused up front when free space is below the reserve; pauses (which free memory
@@ -74,6 +83,9 @@ pub(crate) struct StateDisk {
     dir: PathBuf,
     reserve: u64,
     probe: SpaceProbe,
+    /// Guests paused on a full state disk: ever, and now.
+    io_pauses: AtomicU64,
+    io_paused: AtomicU64,
 }
 
 impl StateDisk {
@@ -82,7 +94,43 @@ impl StateDisk {
             dir,
             reserve: reserve_mb << 20,
             probe,
+            io_pauses: AtomicU64::new(0),
+            io_paused: AtomicU64::new(0),
         }
+    }
+
+    /// Whether a guest paused on a full state disk may continue: [`GUEST_CONTINUE_FREE`]
+    /// bytes are free (or the state dir cannot be measured: QEMU pauses it again if not).
+    pub fn room_for_guest(&self) -> bool {
+        self.space()
+            .is_none_or(|(_, free)| free >= GUEST_CONTINUE_FREE)
+    }
+
+    /// Counts guest `id` as paused on a full state disk; what its calls answer with.
+    pub fn guest_paused(&self, id: &str) -> IoErrorPause {
+        self.io_pauses.fetch_add(1, Ordering::Relaxed);
+        self.io_paused.fetch_add(1, Ordering::Relaxed);
+        let since = std::time::SystemTime::now();
+        let free = self
+            .space()
+            .map_or("an unknown number of".into(), |(_, f)| f.to_string());
+        IoErrorPause {
+            since,
+            message: format!(
+                "sandbox {id} is paused on an I/O error since {}: a write to its disk found the \
+                 state dir {} full ({free} bytes free); it continues by itself once {} bytes \
+                 are free there, so free space there (delete sandboxes, snapshots or other \
+                 files); until then its commands, files and envd answer 507",
+                crate::util::rfc3339(since),
+                self.dir.display(),
+                GUEST_CONTINUE_FREE
+            ),
+        }
+    }
+
+    /// A guest paused on a full state disk runs again, or is gone.
+    pub fn guest_continued(&self) {
+        self.io_paused.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// (total, free) bytes now; `None` when the state dir cannot be measured.
@@ -122,38 +170,52 @@ impl StateDisk {
             "The state dir's filesystem: its size, free space and the disk_reserve_mb reserve.",
             &[("total", total), ("free", free), ("reserve", self.reserve)],
         );
+        let pauses = self.io_pauses.load(Ordering::Relaxed);
+        let paused = self.io_paused.load(Ordering::Relaxed);
+        out.push_str(
+            "# HELP agentenv_vm_io_error_pauses_total Guests QEMU paused because a disk write found the state dir full.\n\
+             # TYPE agentenv_vm_io_error_pauses_total counter\n",
+        );
+        out.push_str(&format!("agentenv_vm_io_error_pauses_total {pauses}\n"));
+        out.push_str(
+            "# HELP agentenv_vms_paused_on_io_error Guests paused on a full state disk now, waiting for space.\n\
+             # TYPE agentenv_vms_paused_on_io_error gauge\n",
+        );
+        out.push_str(&format!("agentenv_vms_paused_on_io_error {paused}\n"));
     }
 
     /// `result`, with a failure caused by a full state disk turned into a 507: one whose
     /// message says so (ENOSPC, EDQUOT), or a 500/502 while less than `op` needs is free
     /// (QEMU reports a full disk as an I/O error).
     pub fn classify<T>(&self, op: DiskUse, result: Result<T, OrchError>) -> Result<T, OrchError> {
-        let Err(e) = result else {
-            return result;
-        };
+        result.map_err(|e| self.classify_error(op, e))
+    }
+
+    /// [`StateDisk::classify`] of a failure.
+    pub fn classify_error(&self, op: DiskUse, e: OrchError) -> OrchError {
         let says_full = says_disk_full(e.message());
         let is_5xx = matches!(
             e,
             OrchError::Internal(_) | OrchError::Upstream(_) | OrchError::Unavailable(_)
         );
         if !is_5xx {
-            return Err(e);
+            return e;
         }
         let free = self.space().map(|(_, free)| free);
         let short = matches!(e, OrchError::Internal(_) | OrchError::Upstream(_))
             && free.is_some_and(|f| f < op.needs());
         if !says_full && !short {
-            return Err(e);
+            return e;
         }
         let free = free.map_or("an unknown number of".to_string(), |f| f.to_string());
-        Err(OrchError::InsufficientStorage(format!(
+        OrchError::InsufficientStorage(format!(
             "the state dir {} is full: the {} needed about {} bytes and {free} bytes are \
              free; nothing was changed, free space there and retry ({})",
             self.dir.display(),
             op.name(),
             op.needs(),
             e.message()
-        )))
+        ))
     }
 }
 
@@ -189,6 +251,35 @@ mod tests {
         assert!(disk(40, |_| Some((1 << 30, 50 << 20)))
             .check(DiskUse::Create)
             .is_ok());
+    }
+
+    #[test]
+    fn a_guest_paused_on_a_full_disk_is_counted_until_it_continues() {
+        let full = disk(0, |_| Some((1 << 30, 4096)));
+        assert!(!full.room_for_guest());
+        assert!(disk(0, |_| Some((1 << 30, GUEST_CONTINUE_FREE))).room_for_guest());
+        let pause = full.guest_paused("sbx");
+        let m = &pause.message;
+        assert!(
+            m.contains("sandbox sbx") && m.contains("/state") && m.contains("4096 bytes free"),
+            "{m}"
+        );
+        assert!(m.contains(&GUEST_CONTINUE_FREE.to_string()), "{m}");
+        let mut out = String::new();
+        full.render_metrics(&mut out);
+        assert!(
+            out.contains("agentenv_vm_io_error_pauses_total 1\n"),
+            "{out}"
+        );
+        assert!(out.contains("agentenv_vms_paused_on_io_error 1\n"), "{out}");
+        full.guest_continued();
+        let mut out = String::new();
+        full.render_metrics(&mut out);
+        assert!(
+            out.contains("agentenv_vm_io_error_pauses_total 1\n"),
+            "{out}"
+        );
+        assert!(out.contains("agentenv_vms_paused_on_io_error 0\n"), "{out}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! the VM dies.
 
 use super::admission::Reservation;
-use super::sandbox::Op;
+use super::sandbox::{IoErrorPause, Op};
 use super::sides::Machine;
 use super::start::Launcher;
 use super::OrchError;
@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 /// How often an idle supervisor checks that its VM is still alive.
 const VM_WATCH_INTERVAL: Duration = Duration::from_millis(500);
+/// How long the delete of a build VM waits for a process that may be exiting.
+const BUILD_DEATH_GRACE: Duration = Duration::from_millis(300);
 /// How long a supervisor may take to launch before its creator gives up on it.
 const LAUNCH_REPLY_SLACK: Duration = Duration::from_secs(60);
 
@@ -136,10 +138,64 @@ pub(crate) trait Watch: Send {
     fn vm_died(&self, exit: &vm::VmExit, run_dir: &Path) -> Option<PathBuf>;
     /// The guest broke the agent protocol: its agent channel is closed.
     fn guest_violated(&self, reason: &str);
+    /// QEMU paused the VM on a full state disk (`Some`), or it runs again or is gone.
+    fn io_error_paused(&self, pause: Option<&IoErrorPause>);
+    /// How long a delete waits for a VM that may be exiting, to tell a death from a kill.
+    fn death_grace(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
-/// The watch of a VM nobody else knows of (a template build's).
+/// The watch of a VM nobody else knows of.
 pub(crate) struct Unwatched;
+
+/// The watch of a template build's VM: its death stops the build's steps (`stop`, the
+/// flag their waits watch) and is kept for the build's failure ([`BuildWatch::named`]);
+/// its run dir goes.
+#[derive(Clone)]
+pub(crate) struct BuildWatch {
+    death: Arc<parking_lot::Mutex<Option<String>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl BuildWatch {
+    pub fn new(stop: Arc<std::sync::atomic::AtomicBool>) -> BuildWatch {
+        BuildWatch {
+            death: Default::default(),
+            stop,
+        }
+    }
+
+    /// `error`, or the death when the VM died on its own (what the build then saw is
+    /// its effect). Call it after the build VM's teardown (`RuntimeHandle::delete`).
+    pub fn named(&self, error: OrchError) -> OrchError {
+        match self.death.lock().as_ref() {
+            Some(death) => OrchError::Internal(format!(
+                "{death}; the build stopped and nothing of it was kept"
+            )),
+            None => error,
+        }
+    }
+}
+
+impl Watch for BuildWatch {
+    fn kind(&self) -> &'static str {
+        "build"
+    }
+    fn vm_died(&self, exit: &vm::VmExit, _: &Path) -> Option<PathBuf> {
+        *self.death.lock() = Some(format!("the build VM died on its own ({exit})"));
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        None
+    }
+    fn guest_violated(&self, _: &str) {}
+    fn io_error_paused(&self, _: Option<&IoErrorPause>) {}
+    /// A build's step fails the moment its VM's agent channel closes, which comes before
+    /// the dead process can be reaped; the delete that follows waits for it briefly (once
+    /// per build).
+    fn death_grace(&self) -> Duration {
+        BUILD_DEATH_GRACE
+    }
+}
 
 impl Watch for Unwatched {
     fn kind(&self) -> &'static str {
@@ -149,6 +205,7 @@ impl Watch for Unwatched {
         None
     }
     fn guest_violated(&self, _: &str) {}
+    fn io_error_paused(&self, _: Option<&IoErrorPause>) {}
 }
 
 /// The outcome of an in-place pause.
@@ -299,13 +356,24 @@ struct Runtime {
     agent: Option<Arc<AgentClient>>,
     /// The NFS server of the guest's volumes, in the slot's namespace.
     nfs: Option<crate::volume::nfs::NfsServer>,
+    /// Set while QEMU keeps the VM paused on a full state disk ([`watch_disk`]).
+    io_paused: bool,
 }
 
 impl Runtime {
+    /// The VM is no longer paused on a full state disk (it runs, or is gone).
+    fn io_continued(&mut self, launcher: &Launcher) {
+        if std::mem::take(&mut self.io_paused) {
+            launcher.disk.guest_continued();
+            self.watch.io_error_paused(None);
+        }
+    }
+
     /// custom-extension.md §7.3 and §5.6 order: the VM process ends, the stop hook's first attempt runs
     /// while the namespace still exists, then the slot is released and (when armed) the
     /// files are removed.
     fn teardown(mut self, launcher: &Launcher, reason: StopReason) {
+        self.io_continued(launcher);
         self.vm.kill();
         // Killed and reaped before its namespace is released.
         drop(self.nfs.take());
@@ -491,6 +559,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         watch,
         agent: None,
         nfs,
+        io_paused: false,
     };
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let mut clock = Duration::ZERO;
@@ -548,8 +617,15 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
     loop {
         match ops.recv_timeout(VM_WATCH_INTERVAL) {
             Ok(Op::Delete { reason, reply }) => {
-                runtime.run_dir.arm();
-                runtime.teardown(launcher, reason);
+                // A VM found dead here died on its own before the delete reached it.
+                let grace = runtime.watch.death_grace();
+                match runtime.vm.exited_within(grace) {
+                    Some(exit) => vm_died(launcher, id, runtime, exit),
+                    None => {
+                        runtime.run_dir.arm();
+                        runtime.teardown(launcher, reason);
+                    }
+                }
                 let _ = reply.send(());
                 return;
             }
@@ -612,6 +688,7 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     vm_died(launcher, id, runtime, exit);
                     return;
                 }
+                watch_disk(launcher, id, &mut runtime);
             }
             Err(RecvTimeoutError::Disconnected) => {
                 runtime.run_dir.arm();
@@ -646,6 +723,46 @@ fn vm_died(launcher: &Launcher, id: &str, mut runtime: Runtime, exit: vm::VmExit
     if let Some(dest) = keep {
         let why = format!("the VM of sandbox {id} died on its own ({exit})");
         crate::store::quarantine_to(&dir, &dest, &why);
+    }
+}
+
+/// A guest whose disk write found the state dir full is paused by QEMU (status `io-error`,
+/// the write kept): it is marked (its calls answer 507, operations.md §10.3) until
+/// [`state_disk::GUEST_CONTINUE_FREE`] bytes are free, then continued (`cont` retries the
+/// write; one that finds no room again pauses it again, still marked). The mark goes once
+/// the VM is seen running.
+///
+/// [`state_disk::GUEST_CONTINUE_FREE`]: super::state_disk::GUEST_CONTINUE_FREE
+fn watch_disk(launcher: &Launcher, id: &str, runtime: &mut Runtime) {
+    if runtime.io_paused && !launcher.disk.room_for_guest() {
+        return;
+    }
+    let stopped = match runtime.vm.paused_on_io_error() {
+        Ok(stopped) => stopped,
+        Err(e) => {
+            log::warn!("sandboxId={id} op=watch step=query_status error=\"{e}\"");
+            return;
+        }
+    };
+    match (stopped, runtime.io_paused) {
+        (true, false) => {
+            let pause = launcher.disk.guest_paused(id);
+            log::error!(
+                "sandboxId={id} op=watch result=paused_on_io_error reason=\"{}\"",
+                pause.message
+            );
+            runtime.watch.io_error_paused(Some(&pause));
+            runtime.io_paused = true;
+        }
+        (true, true) => match runtime.vm.resume_vcpus() {
+            Ok(()) => log::info!("sandboxId={id} op=watch result=continued_after_io_error"),
+            Err(e) => log::warn!("sandboxId={id} op=watch step=cont error=\"{e}\""),
+        },
+        (false, true) => {
+            log::info!("sandboxId={id} op=watch result=running_after_io_error");
+            runtime.io_continued(launcher);
+        }
+        (false, false) => {}
     }
 }
 

@@ -12,8 +12,9 @@ use super::sandbox::{Op, SandboxInfo};
 use super::settings::{Resources, SandboxSettings};
 use super::snapshots::{SnapshotRecord, TemplateSource};
 use super::start::{StartKind, StartRequest};
+use super::state_disk::DiskUse;
 use super::steps::{BuildBase, BuildSpec, StepState};
-use super::supervisor::{PauseOutcome, RunDir, Unwatched};
+use super::supervisor::{BuildWatch, PauseOutcome, RunDir};
 use super::{OrchError, Shared};
 use crate::agent::ExecRequest;
 use crate::hooks::StopReason;
@@ -359,6 +360,13 @@ pub(crate) fn ensure_base(shared: &Arc<Shared>) {
     {
         return;
     }
+    if let Err(e) = shared.disk.check(DiskUse::Build) {
+        log::warn!(
+            "op=template_build name={BASE_TEMPLATE} result=insufficient_storage \
+             reason=\"{e}\" (built at the next start with room)"
+        );
+        return;
+    }
     let vm = &shared.config.vm;
     let image = format!("oci:{}", vm.assets_dir.join("base-image").display());
     let req = TemplateRequest {
@@ -585,7 +593,18 @@ fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
     let builds = &shared.builds;
     builds.update(id, BuildStatus::Building, None);
     let progress = builds.find(id).map(|b| b.progress).unwrap_or_default();
-    let result = build(shared, id, &req, &progress).and_then(|()| finish_catalog(shared, id, &req));
+    // A queued build (the startup `base` one, a background one) keeps the reserve when it
+    // starts, and a failure on a full disk names it, like a build answered at once.
+    let result = shared
+        .disk
+        .check(DiskUse::Build)
+        .map_err(BuildFailure::from)
+        .and_then(|()| build(shared, id, &req, &progress))
+        .map_err(|f| BuildFailure {
+            error: shared.disk.classify_error(DiskUse::Build, f.error),
+            step: f.step,
+        })
+        .and_then(|()| finish_catalog(shared, id, &req));
     let ok = result.is_ok();
     match result {
         Ok(()) => {
@@ -790,6 +809,7 @@ fn build(
         ),
         None => None,
     };
+    let watch = BuildWatch::new(progress.cancelled.clone());
     let start_req = StartRequest {
         id: sandbox_id.clone(),
         run_dir,
@@ -802,8 +822,8 @@ fn build(
         egress: settings.network.rules(),
         params: settings.custom_extension_params.clone(),
         failed_reason: StopReason::TemplateBuild,
-        // Never registered: nothing to forget or mark.
-        watch: Box::new(Unwatched),
+        // Never registered: nothing to forget or mark; a death names the failure.
+        watch: Box::new(watch.clone()),
         volumes: Vec::new(),
     };
     let booted = match cached_disk {
@@ -843,7 +863,11 @@ fn build(
             .and_then(|()| runner.hand_over_defaults());
         if let Err(f) = ran {
             stop_build();
-            return Err(f.into());
+            let f = BuildFailure::from(f);
+            return Err(BuildFailure {
+                error: watch.named(f.error),
+                step: f.step,
+            });
         }
         progress.log.push(
             LogLevel::Info,
@@ -851,7 +875,10 @@ fn build(
             Some(super::build_steps::FINALIZE_STEP),
         );
     } else {
-        legacy_start_cmd(shared, req, &image, agent, progress).inspect_err(|_| stop_build())?;
+        legacy_start_cmd(shared, req, &image, agent, progress).map_err(|e| {
+            stop_build();
+            watch.named(e)
+        })?;
     }
     progress.set(BuildPhase::Capturing);
     let (tx, rx) = crossbeam_channel::bounded(1);
@@ -860,13 +887,19 @@ fn build(
         run_on: false,
         reply: tx,
     })
-    .map_err(|_| OrchError::Internal("the build VM is gone".into()))?;
+    .map_err(|_| watch.named(OrchError::Internal("the build VM is gone".into())))?;
     let captured = rx.recv();
     stop_build();
     let capture = match captured {
         Ok(Ok(c)) => c,
-        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => return Err(e.into()),
-        _ => return Err(OrchError::Internal("the build VM is gone".into()).into()),
+        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => {
+            return Err(watch.named(e).into())
+        }
+        _ => {
+            return Err(watch
+                .named(OrchError::Internal("the build VM is gone".into()))
+                .into())
+        }
     };
     if progress.cancelled.load(Ordering::SeqCst) {
         return Err(OrchError::Conflict(

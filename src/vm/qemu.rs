@@ -48,6 +48,14 @@ pub const GUEST_TAP: &str = "tap0";
 /// The virtio-serial port the in-guest agent opens (`/dev/virtio-ports/agentenv`).
 pub const AGENT_PORT_NAME: &str = "agentenv";
 
+/// What the guest's disk device does when a write or read on the host fails. A write
+/// that fails because the host's filesystem (the state dir, which holds the writable
+/// top layer) is full stops the VM (QEMU status `io-error`) with the request kept, so it
+/// is retried on `cont` rather than failed inside the guest: the supervisor notices and
+/// continues the VM once space is back (operations.md §10.3). Any other host error is
+/// the guest's, as a real disk's would be: a stop on it would not end by freeing space.
+const DISK_ERROR_POLICY: &str = "werror=enospc,rerror=report";
+
 /// Kernel arguments every guest gets, before the spec's own. Boot messages stay on (no
 /// `quiet`): they are what an operator reads when a guest never becomes ready.
 ///
@@ -477,7 +485,10 @@ fn build_argv(
         }
         push(&["-blockdev", &node.blockdev().to_string()]);
     }
-    push(&["-device", &format!("virtio-blk-device,drive={}", top.name)]);
+    push(&[
+        "-device",
+        &format!("virtio-blk-device,drive={},{DISK_ERROR_POLICY}", top.name),
+    ]);
     if let Some(tap) = &spec.tap {
         if tap.is_empty() || tap.contains(',') || tap.len() > 15 {
             return Err(VmError::InvalidSpec(format!("bad tap device name {tap:?}")));
@@ -1027,6 +1038,12 @@ impl Vm {
         &mut self.qmp
     }
 
+    /// Whether QEMU stopped the guest on a disk error ([`DISK_ERROR_POLICY`]: the host's
+    /// filesystem was full); `cont` retries the write that failed.
+    pub fn paused_on_io_error(&mut self) -> Result<bool, VmError> {
+        Ok(self.qmp.query_status()? == "io-error")
+    }
+
     /// The guest has booted (its agent answered): stops what only the boot needed
     /// ([`stop_boot_timer`]).
     pub fn boot_finished(&mut self) -> Result<(), VmError> {
@@ -1292,7 +1309,7 @@ mod tests {
         assert_eq!(
             values(&a, "-device"),
             [
-                "virtio-blk-device,drive=layer1",
+                "virtio-blk-device,drive=layer1,werror=enospc,rerror=report",
                 "virtio-net-device,netdev=net0,mac=06:00:a9:fe:00:15",
                 "virtio-serial-device",
                 "virtserialport,chardev=agent,name=agentenv",

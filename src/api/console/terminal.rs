@@ -155,6 +155,7 @@ impl Terminals {
         }
         let target = match self.orchestrator.envd_route(sandbox) {
             EnvdRoute::Running(t) => t,
+            EnvdRoute::PausedOnIoError { message, .. } => return Err(ApiError::new(507, message)),
             EnvdRoute::NotRunning { .. } => {
                 return Err(ApiError::new(
                     409,
