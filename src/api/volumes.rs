@@ -279,12 +279,6 @@ pub fn mounts_field(f: &Fields) -> Result<Vec<VolumeMount>, ApiError> {
             path,
         });
     }
-    if !mounts.is_empty() {
-        // The NFS path (operations.md §11) is built but not yet proven end to end here.
-        return Err(ApiError::bad_request(
-            "volumeMounts: mounting volumes into sandboxes is not enabled yet; the volume and content APIs work (docs/e2b.md, \"Volumes\")",
-        ));
-    }
     Ok(mounts)
 }
 
