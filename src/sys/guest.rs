@@ -463,6 +463,35 @@ pub fn controlling_terminal_on_spawn(cmd: &mut std::process::Command) {
     }
 }
 
+/// Makes the child of `cmd` run as `uid`/`gid` with the supplementary `groups` (std's
+/// `Command::uid` drops every supplementary group, so membership of `sudo`, `docker` or
+/// the user's own extra groups would be lost): setgroups, setgid, setuid in the forked
+/// child, before any hook registered after this one.
+pub fn switch_user_on_spawn(cmd: &mut std::process::Command, uid: u32, gid: u32, groups: Vec<u32>) {
+    use std::os::unix::process::CommandExt;
+    let hook = move || -> std::io::Result<()> {
+        let fail = |ret: libc::c_long| {
+            if ret < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        };
+        // SAFETY: the pointer and length describe `groups`, owned by the closure; a raw
+        // syscall in the single-threaded child, async-signal-safe.
+        fail(unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) })?;
+        // SAFETY: plain ids; raw syscalls, async-signal-safe.
+        fail(unsafe { libc::syscall(libc::SYS_setgid, gid) })?;
+        // SAFETY: as above; after setgid, which needs the privilege setuid gives up.
+        fail(unsafe { libc::syscall(libc::SYS_setuid, uid) })
+    };
+    // SAFETY: the hook runs in the forked child and makes only raw syscalls (no
+    // allocation, no locks).
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
 /// One inotify event: the watch it belongs to, its mask and the entry name (empty for
 /// events on the watched directory itself).
 #[derive(Debug, Clone, PartialEq, Eq)]

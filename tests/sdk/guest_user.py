@@ -26,6 +26,12 @@ def body():
     ok("sudo -n works for user", r.exit_code == 0 and r.stdout.strip() == "root", r)
     ok("python3 runs", run(sbx, "python3 -c 'print(6*7)'") == "42")
     ok("the hostname resolves", run(sbx, "getent hosts $(hostname) >/dev/null && echo yes") == "yes")
+    # Supplementary groups reach the processes envd starts (a group-readable file).
+    run(sbx, "sudo -n groupadd -g 1500 crew && sudo -n usermod -aG crew user && "
+        "echo for-crew | sudo -n tee /srv/crew-only >/dev/null && sudo -n chgrp crew /srv/crew-only && "
+        "sudo -n chmod 640 /srv/crew-only")
+    groups = run(sbx, "id -Gn; cat /srv/crew-only")
+    ok("processes get the user's supplementary groups", groups == "user crew\nfor-crew", groups)
 
     info = sbx.files.write("notes.txt", "mine\n")
     ok("a relative write lands in the home", info.path == "/home/user/notes.txt", info)

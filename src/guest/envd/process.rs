@@ -531,7 +531,9 @@ fn spawn(
         .envs(&env)
         .current_dir(&cwd);
     if envd.switch_users {
-        cmd.uid(user.uid).gid(user.gid);
+        // With the user's supplementary groups (std's `uid` would drop them all).
+        let groups = envd.accounts.groups_of(&user);
+        sys::switch_user_on_spawn(&mut cmd, user.uid, user.gid, groups);
     }
     let internal =
         |what: &str, e: &dyn std::fmt::Display| RpcError::internal(format!("{what}: {e}"));
