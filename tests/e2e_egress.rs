@@ -4,7 +4,9 @@
 //! test runs. Real guests reach it by IP and by name through the DNS forwarder; a sandbox
 //! created with `allowInternetAccess: false` does not; the host, other sandboxes and
 //! denied ranges stay refused; per-sandbox allowOut/denyOut change live with PUT; choices
-//! survive pause/resume. Two cold boots.
+//! survive pause/resume; allowOut domains are matched on the TLS SNI and the HTTP Host by
+//! the host-side filter (a Debian guest with curl, a TLS server with a certificate the test
+//! makes). Three cold boots.
 
 mod common;
 
@@ -27,9 +29,58 @@ const PRIVATE_DENIED: &str = "100.127.255.1";
 const PRIVATE_ALLOWED: &str = "100.127.255.2";
 const NAME: &str = "web.egress.test";
 const PAGE: &str = "hello from the test internet";
+/// A second web server, named `other.egress.test`.
+const OTHER: &str = "203.0.113.11";
+const OTHER_NAME: &str = "other.egress.test";
+/// Names below `sub.egress.test` (a wildcard record) resolve to WEB.
+const SUB_NAME: &str = "api.sub.egress.test";
 
-/// The DNS server of the test internet: A records for `web.egress.test`, NXDOMAIN for
-/// everything else; every question it receives is appended to the log file.
+/// The web servers of the test internet: on port 80, plain HTTP; on 443, TLS with the
+/// test's certificate. Every answer says which address was reached and which name the
+/// client sent (Host or SNI), so a test sees where a connection really went.
+const WEB_SERVER: &str = r#"
+import socket, ssl, sys, threading
+page, cert, key, addrs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+def answer(c, addr):
+    head = b""
+    while b"\r\n\r\n" not in head and len(head) < 8192:
+        more = c.recv(4096)
+        if not more:
+            break
+        head += more
+    host = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"host:")]
+    body = ("%s at %s for %s\n" % (page, addr, (host or [b"-"])[0].decode())).encode()
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+def handle(c, tls):
+    try:
+        addr = c.getsockname()[0]
+        c.settimeout(10)
+        if tls:
+            c = ctx.wrap_socket(c, server_side=True)
+        answer(c, addr)
+    except Exception:
+        pass
+    finally:
+        c.close()
+def serve(addr, port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port))
+    s.listen(64)
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=handle, args=(c, port == 443), daemon=True).start()
+for a in addrs:
+    for p in (80, 443):
+        threading.Thread(target=serve, args=(a, p), daemon=True).start()
+threading.Event().wait()
+"#;
+
+/// The DNS server of the test internet: A records from its `name=address` arguments (a
+/// `*.` name stands for every name below it), NXDOMAIN for everything else; every question
+/// it receives is appended to the log file.
 const DNS_SERVER: &str = r#"
 import socket, struct, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -46,12 +97,14 @@ while True:
     name, qtype = ".".join(labels).lower(), struct.unpack(">H", q[i + 1:i + 3])[0]
     question = q[12:i + 5]
     log.write("%s %d %s\n" % (name, qtype, peer[0]))
-    found = name == sys.argv[3] and qtype == 1
-    flags = 0x8180 if found or name == sys.argv[3] else 0x8183
+    records = dict(a.split("=") for a in sys.argv[3:])
+    addr = records.get(name) or records.get("*." + name.split(".", 1)[-1])
+    found = addr is not None and qtype == 1
+    flags = 0x8180 if addr else 0x8183
     head = q[:2] + struct.pack(">HHHHH", flags, 1, 1 if found else 0, 0, 0)
     answer = b""
     if found:
-        answer = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 30, 4) + socket.inet_aton(sys.argv[4])
+        answer = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 30, 4) + socket.inet_aton(addr)
     s.sendto(head + question + answer, peer)
 "#;
 
@@ -78,8 +131,7 @@ impl Internet {
         let _ = Command::new("ip").args(["netns", "del", NS]).output();
         let _ = Command::new("ip").args(["link", "del", LINK]).output();
         let dir = scratch_dir();
-        std::fs::create_dir_all(dir.join("www")).unwrap();
-        std::fs::write(dir.join("www/index.html"), PAGE).unwrap();
+        std::fs::create_dir_all(&dir).unwrap();
         let mut net = Internet {
             servers: Vec::new(),
             dns_log: dir.join("dns.log"),
@@ -99,7 +151,7 @@ impl Internet {
         nsip(&["link", "set", "lo", "up"]);
         nsip(&["addr", "add", &format!("{NS_END}/30"), "dev", "eth0"]);
         nsip(&["link", "set", "eth0", "up"]);
-        for a in [WEB, DNS, PRIVATE_DENIED, PRIVATE_ALLOWED] {
+        for a in [WEB, OTHER, DNS, PRIVATE_DENIED, PRIVATE_ALLOWED] {
             nsip(&["addr", "add", &format!("{a}/32"), "dev", "lo"]);
         }
         nsip(&["route", "add", "default", "via", ROOT_END]);
@@ -113,17 +165,28 @@ impl Internet {
             "dev",
             LINK,
         ]);
-        let www = net.dir.join("www");
-        net.spawn(&[
-            "python3",
-            "-m",
-            "http.server",
-            "80",
-            "--bind",
-            "0.0.0.0",
-            "--directory",
-            www.to_str().unwrap(),
-        ]);
+        let web = net.dir.join("web.py");
+        std::fs::write(&web, WEB_SERVER).unwrap();
+        let (cert, key) = (net.dir.join("cert.pem"), net.dir.join("key.pem"));
+        let made = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            ])
+            .args(["-subj", "/CN=egress.test", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .args([
+                "-addext",
+                "subjectAltName=DNS:*.egress.test,DNS:*.sub.egress.test",
+            ])
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "openssl: {made:?}");
+        let mut argv = vec!["python3", web.to_str().unwrap(), PAGE];
+        argv.extend([cert.to_str().unwrap(), key.to_str().unwrap()]);
+        argv.push("0.0.0.0");
+        net.spawn(&argv);
         let script = net.dir.join("dns.py");
         std::fs::write(&script, DNS_SERVER).unwrap();
         let log = net.dns_log.clone();
@@ -132,8 +195,9 @@ impl Internet {
             script.to_str().unwrap(),
             DNS,
             log.to_str().unwrap(),
-            NAME,
-            WEB,
+            &format!("{NAME}={WEB}"),
+            &format!("{OTHER_NAME}={OTHER}"),
+            &format!("*.sub.egress.test={WEB}"),
         ]);
         // Both answer from the host before any guest asks.
         let ready = wait_until(Duration::from_secs(20), || {
@@ -205,21 +269,29 @@ fn fetch(s: &Server, id: &str, target: &str) -> (i64, String) {
     )
 }
 
-fn assert_reaches(s: &Server, id: &str, target: &str) {
-    let (code, out) = fetch(s, id, target);
+/// A guest command's (exit code, output) succeeded and shows `page`.
+fn assert_got(s: &Server, (code, out): (i64, String), page: &str, what: &str) {
     assert!(
-        code == 0 && out.contains(PAGE),
-        "{id} did not reach {target}: {code} {out}\n{}",
+        code == 0 && out.contains(page),
+        "{what} did not reach {page:?}: {code} {out}\n{}",
         s.log()
     );
 }
 
-fn assert_refused(s: &Server, id: &str, target: &str) {
-    let (code, out) = fetch(s, id, target);
+/// A guest command's (exit code, output) failed and shows no page.
+fn assert_kept_out((code, out): (i64, String), what: &str) {
     assert!(
         code != 0 && !out.contains(PAGE),
-        "{id} reached {target}: {out}"
+        "{what} got through: {out}"
     );
+}
+
+fn assert_reaches(s: &Server, id: &str, target: &str) {
+    assert_got(s, fetch(s, id, target), PAGE, &format!("{id} → {target}"));
+}
+
+fn assert_refused(s: &Server, id: &str, target: &str) {
+    assert_kept_out(fetch(s, id, target), &format!("{id} → {target}"));
 }
 
 /// A TCP connection from the guest to `ip:port` (busybox nc, 2 s); whether it opened.
@@ -310,16 +382,21 @@ fn guests_reach_the_internet_by_default_and_nothing_of_the_host() {
     // allowInternetAccess: false → neither the internet nor names.
     closed_is_closed(&s, &net, &closed);
     // The choice survives pause and resume (into whichever slot the pool hands out).
-    let (code, v) = s.call("POST", &format!("/sandboxes/{closed}/pause"), None);
+    pause_and_resume(&s, &closed);
+    closed_is_closed(&s, &net, &closed);
+    policy_changes_live(&s, &open);
+}
+
+/// Pauses a sandbox and resumes it (into whichever slot the pool hands out).
+fn pause_and_resume(s: &Server, id: &str) {
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
     assert_eq!(code, 204, "{v}");
     let (code, v) = s.call(
         "POST",
-        &format!("/sandboxes/{closed}/connect"),
+        &format!("/sandboxes/{id}/connect"),
         Some(json!({"timeout": 600})),
     );
     assert!(code == 200 || code == 201, "{code} {v}");
-    closed_is_closed(&s, &net, &closed);
-    policy_changes_live(&s, &open);
 }
 
 fn put_network(s: &Server, id: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
@@ -350,20 +427,13 @@ fn policy_changes_live(s: &Server, id: &str) {
     let (_, after) = guest(s, id, "cat /proc/sys/kernel/random/boot_id");
     assert_eq!(boot, after, "the guest restarted");
 
-    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
-    assert_eq!(code, 204, "{v}");
-    let (code, v) = s.call(
-        "POST",
-        &format!("/sandboxes/{id}/connect"),
-        Some(json!({"timeout": 600})),
-    );
-    assert!(code == 200 || code == 201, "{code} {v}");
+    pause_and_resume(s, id);
     assert_reaches(s, id, WEB);
     assert_refused(s, id, PRIVATE_ALLOWED);
 
     for (body, says) in [
         (json!({"denyOut": ["nope"]}), "denyOut[0] \"nope\""),
-        (json!({"allowOut": ["example.com"]}), "domain entries"),
+        (json!({"denyOut": ["example.com"]}), "allowOut only"),
         (json!({"rules": {"a.example.com": []}}), "field rules"),
         (
             json!({"egressProxy": {"address": "p:1080"}}),
@@ -406,5 +476,158 @@ fn closed_is_closed(s: &Server, net: &Internet, id: &str) {
         net.dns_questions().lines().count(),
         before,
         "its query went out"
+    );
+}
+
+/// `curl` in the guest (5 s limit, `-k`: the test's certificate); (exit code, output).
+fn curl(s: &Server, id: &str, args: &str) -> (i64, String) {
+    guest(s, id, &format!("curl -sSk --max-time 5 {args}"))
+}
+
+/// Asserts a curl reached the server at `addr` (its answer names the address it was
+/// reached at).
+fn assert_curl_reaches(s: &Server, id: &str, args: &str, addr: &str) {
+    let page = format!("{PAGE} at {addr} ");
+    assert_got(s, curl(s, id, args), &page, &format!("curl {args}"));
+}
+
+fn assert_curl_refused(s: &Server, id: &str, args: &str) {
+    assert_kept_out(curl(s, id, args), &format!("curl {args}"));
+}
+
+/// One DNS question from the guest straight to the test internet's resolver (not
+/// through the forwarder); whether an answer came back.
+fn direct_dns_answers(s: &Server, id: &str) -> bool {
+    let (_, out) = guest(
+        s,
+        id,
+        &format!(
+            "python3 -c \"import socket; s = socket.socket(2, 2); s.settimeout(2); \
+             s.sendto(bytes.fromhex('abcd01000001000000000000037765620665677265737304746573740000010001'), \
+             ('{DNS}', 53)); print('answered', len(s.recv(512)))\""
+        ),
+    );
+    out.contains("answered")
+}
+
+#[test]
+fn allow_out_domains_are_matched_on_sni_and_host() {
+    let _net = Internet::start();
+    let s = Server::start(&format!("outbound = true\ndns = \"{DNS}\"\n"));
+    let policy = json!({"allowOut": [NAME, "*.sub.egress.test"], "denyOut": ["0.0.0.0/0"]});
+    let v = s.create(
+        json!({"image": debian_image(), "timeout": 600, "memoryMB": 512,
+                            "network": policy}),
+    );
+    let id = id_of(&v);
+    let (_, v) = s.call("GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(
+        v["network"]["allowOut"],
+        json!([NAME, "*.sub.egress.test"]),
+        "{v}"
+    );
+    let before = egress_counts(&s, &id);
+    domain_policy_holds(&s, &id);
+    counters_moved(&s, &id, before);
+
+    // A forged name reaches only what it names: the filter connects to the address the
+    // host resolves for it, never to the one the guest chose.
+    assert_curl_reaches(
+        &s,
+        &id,
+        &format!("--resolve {NAME}:443:{OTHER} https://{NAME}/"),
+        WEB,
+    );
+    assert_curl_reaches(&s, &id, &format!("-H 'Host: {NAME}' http://{OTHER}/"), WEB);
+    // With a domain entry and no dnsServers, E2B's default resolver is opened, not ours;
+    // naming ours opens it for direct queries.
+    assert!(
+        !direct_dns_answers(&s, &id),
+        "a resolver not allowed answered"
+    );
+    let with_dns = json!({"allowOut": [NAME], "denyOut": ["0.0.0.0/0"], "dnsServers": [DNS]});
+    let (code, v) = put_network(&s, &id, with_dns);
+    assert_eq!(code, 204, "{v}");
+    assert!(direct_dns_answers(&s, &id), "dnsServers did not open {DNS}");
+
+    // Live changes: another domain, then plain-IP mode again, then domains again.
+    let (code, v) = put_network(
+        &s,
+        &id,
+        json!({"allowOut": [OTHER_NAME], "denyOut": ["0.0.0.0/0"]}),
+    );
+    assert_eq!(code, 204, "{v}");
+    assert_curl_reaches(&s, &id, &format!("https://{OTHER_NAME}/"), OTHER);
+    assert_curl_refused(&s, &id, &format!("https://{NAME}/"));
+    let (code, v) = put_network(&s, &id, json!({"denyOut": [format!("{WEB}/32")]}));
+    assert_eq!(code, 204, "{v}");
+    assert_curl_reaches(&s, &id, &format!("https://{OTHER}/"), OTHER);
+    assert_curl_refused(&s, &id, &format!("https://{NAME}/"));
+    let (code, v) = put_network(&s, &id, policy.clone());
+    assert_eq!(code, 204, "{v}");
+
+    // The policy, filter included, survives pause and resume.
+    pause_and_resume(&s, &id);
+    domain_policy_holds(&s, &id);
+    let (code, v) = put_network(&s, &id, json!({"denyOut": ["web.egress.test"]}));
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["message"].as_str().unwrap().contains("allowOut only"),
+        "{v}"
+    );
+}
+
+/// The newest metrics sample's (egressBytes, egressRefused) of a running sandbox.
+fn egress_counts(s: &Server, id: &str) -> (u64, u64) {
+    let (code, v) = s.call("GET", &format!("/sandboxes/{id}/metrics"), None);
+    assert_eq!(code, 200, "{v}");
+    let last = v
+        .as_array()
+        .and_then(|a| a.last())
+        .cloned()
+        .unwrap_or_default();
+    (
+        last["egressBytes"].as_u64().unwrap_or(0),
+        last["egressRefused"].as_u64().unwrap_or(0),
+    )
+}
+
+/// Both counters grew past `before` in the sandbox's samples (taken every 5 s), and
+/// `/metrics` shows them with the sandbox's label.
+fn counters_moved(s: &Server, id: &str, before: (u64, u64)) {
+    let mut now = before;
+    let grew = wait_until(Duration::from_secs(30), || {
+        now = egress_counts(s, id);
+        now.0 > before.0 && now.1 > before.1
+    });
+    assert!(grew, "egress counters did not move: {before:?} → {now:?}");
+    let (_, text) = s.call("GET", "/metrics", None);
+    let text = text.as_str().unwrap_or_default().to_string();
+    for name in [
+        "agentenv_sandbox_egress_bytes_total",
+        "agentenv_sandbox_egress_refused_total",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{sandbox=\"{id}\"}} ")))
+            .unwrap_or_else(|| panic!("no {name} for {id} in /metrics:\n{text}"));
+        let n: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(n > 0, "{line}");
+    }
+}
+
+/// allowOut [NAME, *.sub.egress.test], denyOut 0.0.0.0/0: the allowed names over TLS
+/// (SNI) and HTTP (Host), the wildcard, and nothing else.
+fn domain_policy_holds(s: &Server, id: &str) {
+    assert_curl_reaches(s, id, &format!("https://{NAME}/"), WEB);
+    assert_curl_reaches(s, id, &format!("http://{NAME}/"), WEB);
+    assert_curl_reaches(s, id, &format!("https://{SUB_NAME}/"), WEB);
+    assert_curl_refused(s, id, &format!("https://{OTHER_NAME}/"));
+    assert_curl_refused(s, id, &format!("http://{OTHER_NAME}/"));
+    assert_curl_refused(s, id, &format!("https://{OTHER}/"));
+    assert_curl_refused(
+        s,
+        id,
+        &format!("--resolve sub.egress.test:443:{WEB} https://sub.egress.test/"),
     );
 }

@@ -224,6 +224,8 @@ pub fn sandbox_metric(s: &GuestSample) -> Value {
         "memCache": s.mem_cache,
         "diskUsed": s.disk_used,
         "diskTotal": s.disk_total,
+        "egressBytes": s.egress_bytes,
+        "egressRefused": s.egress_refused,
     })
 }
 

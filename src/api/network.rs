@@ -93,7 +93,8 @@ fn strings<'a>(name: &str, v: Option<&'a Value>) -> Result<Vec<&'a str>, ApiErro
         .collect()
 }
 
-/// `allowOut` / `denyOut` entries as normalized CIDRs.
+/// `allowOut` / `denyOut` entries as normalized CIDRs, and in `allowOut` domain names
+/// (lower case, no trailing dot).
 fn entries(prefix: &str, key: &str, v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     let name = format!("{prefix}{key}");
     let list = strings(&name, v)?;
@@ -105,8 +106,8 @@ fn entries(prefix: &str, key: &str, v: Option<&Value>) -> Result<Vec<String>, Ap
     }
     let mut out: Vec<String> = Vec::new();
     for (i, e) in list.iter().enumerate() {
-        let c =
-            entry(e).map_err(|why| ApiError::bad_request(format!("{name}[{i}] {e:?}: {why}")))?;
+        let c = entry(e, key == "allowOut")
+            .map_err(|why| ApiError::bad_request(format!("{name}[{i}] {e:?}: {why}")))?;
         if !out.contains(&c) {
             out.push(c);
         }
@@ -114,9 +115,10 @@ fn entries(prefix: &str, key: &str, v: Option<&Value>) -> Result<Vec<String>, Ap
     Ok(out)
 }
 
-/// One entry: an IPv4 address (as /32) or an IPv4 CIDR with no host bits set. Domain
-/// names are recognised and refused: they need the SNI/Host filter, not built yet.
-fn entry(e: &str) -> Result<String, &'static str> {
+/// One entry: an IPv4 address (as /32) or an IPv4 CIDR with no host bits set; where
+/// `domains` (allowOut), also a domain name, optionally `*.`-prefixed (E2B allows domains
+/// only there).
+fn entry(e: &str, domains: bool) -> Result<String, &'static str> {
     let e = e.trim();
     if let Ok(ip) = e.parse::<Ipv4Addr>() {
         return Ok(format!("{ip}/32"));
@@ -126,8 +128,11 @@ fn entry(e: &str) -> Result<String, &'static str> {
             .map(|c| c.to_string())
             .ok_or("not an IPv4 CIDR (a.b.c.d/n, n ≤ 32, no host bits set)");
     }
+    if is_domain(e) && domains {
+        return Ok(e.trim_end_matches('.').to_ascii_lowercase());
+    }
     if is_domain(e) {
-        return Err("domain entries are not supported by agentenv yet; use IP addresses or CIDRs");
+        return Err("domain entries are allowed in allowOut only; deny by IP address or CIDR (0.0.0.0/0 denies everything the allowOut domains do not name)");
     }
     Err("not an IPv4 address, CIDR or domain name")
 }
@@ -209,6 +214,9 @@ mod tests {
         assert_eq!(p.allow_out, ["203.0.113.10/32"]);
         assert_eq!(p.deny_out, ["0.0.0.0/0"]);
         assert_eq!(p.dns_servers, Some(vec!["1.1.1.1".to_string()]));
+        let p = create(json!({"network": {"allowOut": ["Web.Example.COM.", "*.example.org"]}}))
+            .unwrap();
+        assert_eq!(p.allow_out, ["web.example.com", "*.example.org"]);
         for (bad, says) in [
             (
                 json!({"allowOut": ["10.0.0.1/8"]}),
@@ -219,10 +227,12 @@ mod tests {
                 "network.denyOut[1] \"nope\"",
             ),
             (
-                json!({"allowOut": ["example.com"]}),
-                "domain entries are not supported",
+                json!({"denyOut": ["example.com"]}),
+                "domain entries are allowed in allowOut only",
             ),
-            (json!({"allowOut": ["*.example.com"]}), "domain entries"),
+            (json!({"denyOut": ["*.example.com"]}), "allowOut only"),
+            (json!({"allowOut": ["*.*.example.com"]}), "not an IPv4"),
+            (json!({"allowOut": ["exa_mple.com"]}), "not an IPv4"),
             (json!({"allowOut": ["1.2.3.4/33"]}), "not an IPv4 CIDR"),
             (json!({"dnsServers": ["x"]}), "network.dnsServers[0] \"x\""),
             (

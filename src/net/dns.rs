@@ -291,6 +291,78 @@ impl Inner {
     }
 }
 
+/// The IPv4 addresses the upstream resolvers give for `name` (its A records, CNAME chains
+/// followed by the resolver), asking each resolver in turn until one answers within
+/// `timeout`. Used by the domain filter (network.md §5.6), which connects only to what the
+/// host resolves, never to an address a guest chose.
+pub(crate) fn resolve_v4(
+    name: &str,
+    resolvers: &[SocketAddr],
+    timeout: Duration,
+) -> std::io::Result<Vec<Ipv4Addr>> {
+    use simple_dns::{Packet, PacketFlag, Question, CLASS, QCLASS, QTYPE, TYPE};
+    let invalid = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    let mut id = [0u8; 2];
+    crate::sys::fs::random_bytes(&mut id).map_err(|e| invalid(e.to_string()))?;
+    let id = u16::from_be_bytes(id);
+    let mut q = Packet::new_query(id);
+    q.set_flags(PacketFlag::RECURSION_DESIRED);
+    let qname = simple_dns::Name::new(name).map_err(|e| invalid(format!("{name}: {e}")))?;
+    q.questions.push(Question::new(
+        qname,
+        QTYPE::TYPE(TYPE::A),
+        QCLASS::CLASS(CLASS::IN),
+        false,
+    ));
+    let query = q.build_bytes_vec().map_err(|e| invalid(e.to_string()))?;
+    let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no resolver");
+    for r in resolvers {
+        sock.send_to(&query, r)?;
+        let deadline = Instant::now() + timeout;
+        let mut buf = [0u8; MAX_ANSWER];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                last = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("{r} did not answer"),
+                );
+                break;
+            }
+            sock.set_read_timeout(Some(left))?;
+            let (n, from) = match sock.recv_from(&mut buf) {
+                Ok(v) => v,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            };
+            // Only the resolver asked, and only the answer to this query.
+            let Ok(answer) = Packet::parse(&buf[..n]) else {
+                continue;
+            };
+            if from != *r || answer.id() != id || !answer.has_flags(PacketFlag::RESPONSE) {
+                continue;
+            }
+            return Ok(answer
+                .answers
+                .iter()
+                .filter_map(|rr| match &rr.rdata {
+                    simple_dns::rdata::RData::A(a) => Some(Ipv4Addr::from(a.address)),
+                    _ => None,
+                })
+                .collect());
+        }
+    }
+    Err(last)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

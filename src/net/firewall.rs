@@ -1,6 +1,7 @@
 //! nftables rulesets: the per-slot table `ip agentenv` (network.md §5.1) and the root
 //! table `inet agentenv` (§5.2, §5.4). Pure text generation; loading is in `host`.
 
+use super::filter::{HTTP_FILTER_PORT, TLS_FILTER_PORT};
 use super::layout::{
     SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_NFS_PORT, LINK_PREFIX, TAP_NAME, VETH_NS_NAME,
 };
@@ -40,21 +41,36 @@ impl FirewallPolicy {
         }
     }
 
+    /// Whether the server's own rules (§5.4) refuse a guest connection to `ip`, checked
+    /// again by the domain filter on the addresses it resolves: the always-denied ranges,
+    /// the guest link itself, and the denied ranges unless the operator allowed them.
+    pub fn refuses(&self, ip: std::net::Ipv4Addr) -> bool {
+        let guest_link = Cidr {
+            addr: GUEST_IP,
+            prefix: 30,
+        };
+        let has = |v: &[Cidr]| v.iter().any(|c| c.contains(ip));
+        guest_link.contains(ip)
+            || has(&self.always_denied)
+            || (has(&self.denied) && !has(&self.allowed))
+    }
+
     /// The outbound rules after `from` (a match on the guest's new connections): the
     /// always-denied ranges, the denied ones unless allowed, the sandbox's own chain
     /// (`jump`), then accept.
-    fn outbound_rules(&self, s: &mut String, from: &str, jump: Option<&str>) {
+    /// `drop` is the verdict statement (with the slot's refusal counter there).
+    fn outbound_rules(&self, s: &mut String, from: &str, jump: Option<&str>, drop: &str) {
         let _ = writeln!(
             s,
-            "\t\t{from} ip daddr {} drop",
+            "\t\t{from} ip daddr {} {drop}",
             set_of(&self.always_denied)
         );
         if self.allowed.is_empty() {
-            let _ = writeln!(s, "\t\t{from} ip daddr {} drop", set_of(&self.denied));
+            let _ = writeln!(s, "\t\t{from} ip daddr {} {drop}", set_of(&self.denied));
         } else {
             let _ = writeln!(
                 s,
-                "\t\t{from} ip daddr != {} ip daddr {} drop",
+                "\t\t{from} ip daddr != {} ip daddr {} {drop}",
                 set_of(&self.allowed),
                 set_of(&self.denied)
             );
@@ -73,6 +89,15 @@ pub const MAX_GUEST_CONNECTIONS: u32 = 8192;
 
 /// Name of the per-sandbox chain in the slot's table (network.md §5.6).
 const EGRESS_CHAIN: &str = "egress";
+/// Named counters of the slot's table (network.md §5.8): bytes the guest sent out, and
+/// new outbound connections (their packets) the slot dropped.
+pub(crate) const EGRESS_BYTES: &str = "egress_bytes";
+pub(crate) const REFUSED: &str = "refused";
+/// The slot's drop verdict for a guest's new connection, counted.
+const REFUSE: &str = "counter name \"refused\" drop";
+
+/// Name of the per-sandbox NAT chain that hands connections to the domain filter (§5.7).
+const EGRESS_NAT_CHAIN: &str = "egress_nat";
 
 /// One sandbox's own egress policy (E2B's `allowOut` / `denyOut`), applied after the
 /// server's rules: it can only narrow them. Allowed entries win over denied ones.
@@ -80,12 +105,38 @@ const EGRESS_CHAIN: &str = "egress";
 pub struct EgressRules {
     pub allow: Vec<Cidr>,
     pub deny: Vec<Cidr>,
+    /// `allowOut` domain entries (`example.com`, `*.example.com`), lower case.
+    pub domains: Vec<String>,
 }
 
 impl EgressRules {
-    /// The transaction that replaces the slot's `egress` chain, atomically.
+    /// Whether connections need the domain filter: domains allowed, and something
+    /// denied that they could open.
+    pub fn filters(&self) -> bool {
+        !self.domains.is_empty() && !self.deny.is_empty()
+    }
+
+    /// The transaction that replaces the slot's `egress` and `egress_nat` chains,
+    /// atomically. With domains, new TCP connections to ports 80 and 443 of denied
+    /// destinations (not allowed by CIDR) go to the slot's domain filter instead.
     pub(crate) fn chain_update(&self) -> String {
-        let mut s = format!("flush chain ip agentenv {EGRESS_CHAIN}\n");
+        let mut s = format!(
+            "flush chain ip agentenv {EGRESS_CHAIN}\nflush chain ip agentenv {EGRESS_NAT_CHAIN}\n"
+        );
+        if self.filters() {
+            let nat = format!("add rule ip agentenv {EGRESS_NAT_CHAIN}");
+            if !self.allow.is_empty() {
+                let allow = set_of(&minimal_cidrs(self.allow.clone()));
+                let _ = writeln!(s, "{nat} ip daddr {allow} return");
+            }
+            let deny = set_of(&minimal_cidrs(self.deny.clone()));
+            for (port, to) in [(80, HTTP_FILTER_PORT), (443, TLS_FILTER_PORT)] {
+                let _ = writeln!(
+                    s,
+                    "{nat} ip daddr {deny} tcp dport {port} redirect to :{to}"
+                );
+            }
+        }
         let add = format!("add rule ip agentenv {EGRESS_CHAIN}");
         if !self.allow.is_empty() {
             let _ = writeln!(
@@ -97,7 +148,7 @@ impl EgressRules {
         if !self.deny.is_empty() {
             let _ = writeln!(
                 s,
-                "{add} ip daddr {} drop",
+                "{add} ip daddr {} {REFUSE}",
                 set_of(&minimal_cidrs(self.deny.clone()))
             );
         }
@@ -129,6 +180,7 @@ fn minimal_cidrs(mut v: Vec<Cidr>) -> Vec<Cidr> {
 pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
     let host = l.host_ip;
     let link = l.link_addr;
+    let veth = l.veth_addr;
     // The guest's queries to its gateway go to the forwarder at the host end (§5.5).
     let dns_dnat = match (p.outbound, p.dns_port) {
         (true, Some(port)) => format!(
@@ -144,31 +196,43 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
          \t\ttype nat hook prerouting priority dstnat; policy accept;\n\
          \t\tiifname \"{VETH_NS_NAME}\" ip daddr {host} dnat to {GUEST_IP}\n\
          {dns_dnat}\
+         \t\tiifname \"{TAP_NAME}\" meta l4proto tcp jump {EGRESS_NAT_CHAIN}\n\
          \t}}\n\
          \tchain postrouting {{\n\
          \t\ttype nat hook postrouting priority srcnat; policy accept;\n\
          \t\toifname \"{VETH_NS_NAME}\" ip saddr {GUEST_IP} snat to {host}\n\
+         \t\toifname \"{VETH_NS_NAME}\" ip saddr {veth} snat to {host}\n\
          \t}}\n\
          \tchain input {{\n\
          \t\ttype filter hook input priority filter; policy accept;\n\
          \t\tiifname \"{TAP_NAME}\" ip daddr {GUEST_GATEWAY} tcp dport {GUEST_NFS_PORT} accept\n\
-         \t\tiifname \"{TAP_NAME}\" ct state new drop\n\
+         \t\tiifname \"{TAP_NAME}\" ct status dnat tcp dport {{ {HTTP_FILTER_PORT}, {TLS_FILTER_PORT} }} accept\n\
+         \t\tiifname \"{TAP_NAME}\" ct state new {REFUSE}\n\
          \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy drop;\n\
+         \t\tiifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" counter name \"{EGRESS_BYTES}\"\n\
          \t\tct state established,related accept\n\
          \t\tiifname \"{TAP_NAME}\" ip saddr != {GUEST_IP} drop\n\
          \t\tiifname \"{VETH_NS_NAME}\" oifname \"{TAP_NAME}\" ct state new ip saddr {link} ip daddr {GUEST_IP} accept\n"
     );
     if p.outbound {
         let from = format!("iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new");
-        let _ = writeln!(s, "\t\t{from} ct count over {MAX_GUEST_CONNECTIONS} drop");
+        let _ = writeln!(
+            s,
+            "\t\t{from} ct count over {MAX_GUEST_CONNECTIONS} {REFUSE}"
+        );
         if let Some(port) = p.dns_port {
             let _ = writeln!(s, "\t\t{from} ip daddr {link} udp dport {port} accept");
         }
-        p.outbound_rules(&mut s, &from, Some(EGRESS_CHAIN));
+        p.outbound_rules(&mut s, &from, Some(EGRESS_CHAIN), REFUSE);
     }
-    let _ = write!(s, "\t}}\n\tchain {EGRESS_CHAIN} {{\n\t}}\n}}\n");
+    let _ = writeln!(s, "\t\tiifname \"{TAP_NAME}\" ct state new {REFUSE}");
+    let _ = write!(
+        s,
+        "\t}}\n\tchain {EGRESS_CHAIN} {{\n\t}}\n\tchain {EGRESS_NAT_CHAIN} {{\n\t}}\n\
+         \tcounter {EGRESS_BYTES} {{\n\t}}\n\tcounter {REFUSED} {{\n\t}}\n}}\n"
+    );
     s
 }
 
@@ -204,7 +268,7 @@ pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
     if p.outbound {
         let _ = writeln!(s, "\t\tiifname {a} ct state established,related accept");
         let _ = writeln!(s, "\t\tiifname {a} meta nfproto ipv6 drop");
-        p.outbound_rules(&mut s, &format!("iifname {a}"), None);
+        p.outbound_rules(&mut s, &format!("iifname {a}"), None, "drop");
     } else {
         let _ = writeln!(s, "\t\tiifname {a} drop");
     }
@@ -269,8 +333,16 @@ mod tests {
             "iifname \"tap0\" ip daddr 169.254.0.22 udp dport 53 dnat to 198.19.0.14:5300"
         ));
         assert!(on.contains("ct state new ip daddr 198.19.0.14 udp dport 5300 accept"));
-        assert!(on.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } drop"));
+        assert!(
+            on.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } counter name \"refused\" drop")
+        );
         assert!(on.contains("iifname \"tap0\" oifname \"veth0\" ct state new accept"));
+        // Counted: what the guest sends out, and every refusal of a new connection.
+        assert!(on.contains("oifname \"veth0\" counter name \"egress_bytes\"\n\t\tct state"));
+        assert!(on.contains("\tcounter egress_bytes {\n\t}\n\tcounter refused {\n\t}\n"));
+        assert!(
+            off.contains("\t\tiifname \"tap0\" ct state new counter name \"refused\" drop\n\t}")
+        );
     }
 
     #[test]
@@ -295,22 +367,51 @@ mod tests {
         );
         let jump = on.find("ct state new jump egress").unwrap();
         assert!(jump < on.rfind("oifname \"veth0\" ct state new accept").unwrap());
-        assert!(on.contains("ct state new ct count over 8192 drop"));
+        assert!(on.contains("ct state new ct count over 8192 counter name \"refused\" drop"));
         assert!(on.contains("\tchain egress {\n\t}\n"));
-        let r = EgressRules {
+        let mut r = EgressRules {
             allow: vec![Cidr::parse("203.0.113.10/32").unwrap()],
             deny: vec![Cidr::parse("0.0.0.0/0").unwrap()],
+            domains: vec![],
         };
+        let flush = "flush chain ip agentenv egress\nflush chain ip agentenv egress_nat\n";
         assert_eq!(
             r.chain_update(),
-            "flush chain ip agentenv egress\n\
-             add rule ip agentenv egress ip daddr { 203.0.113.10/32 } return\n\
-             add rule ip agentenv egress ip daddr { 0.0.0.0/0 } drop\n"
+            format!(
+                "{flush}\
+                 add rule ip agentenv egress ip daddr {{ 203.0.113.10/32 }} return\n\
+                 add rule ip agentenv egress ip daddr {{ 0.0.0.0/0 }} counter name \"refused\" drop\n"
+            )
         );
-        assert_eq!(
-            EgressRules::default().chain_update(),
-            "flush chain ip agentenv egress\n"
-        );
+        assert_eq!(EgressRules::default().chain_update(), flush);
+        // Domains: ports 80 and 443 of denied destinations go to the filter.
+        r.domains = vec!["*.example.com".into()];
+        let u = r.chain_update();
+        assert!(u.contains(
+            "add rule ip agentenv egress_nat ip daddr { 203.0.113.10/32 } return\n\
+             add rule ip agentenv egress_nat ip daddr { 0.0.0.0/0 } tcp dport 80 redirect to :10080\n\
+             add rule ip agentenv egress_nat ip daddr { 0.0.0.0/0 } tcp dport 443 redirect to :10443\n"
+        ), "{u}");
+        // Nothing denied: domains change nothing.
+        r.deny.clear();
+        assert!(!r.filters());
+        assert!(!r.chain_update().contains("redirect"));
+        assert!(on.contains("iifname \"tap0\" meta l4proto tcp jump egress_nat"));
+        assert!(on.contains("ct status dnat tcp dport { 10080, 10443 } accept"));
+        assert!(on.contains("oifname \"veth0\" ip saddr 198.19.0.15 snat to 198.18.0.7"));
+    }
+
+    #[test]
+    fn the_filter_refuses_what_the_server_refuses() {
+        let mut p = policy(true);
+        p.allowed = vec![Cidr::parse("10.1.0.0/16").unwrap()];
+        let ip = |s: &str| s.parse().unwrap();
+        assert!(p.refuses(ip("127.0.0.1")));
+        assert!(p.refuses(ip("169.254.0.22")));
+        assert!(p.refuses(ip("198.18.0.9")));
+        assert!(p.refuses(ip("10.2.0.1")));
+        assert!(!p.refuses(ip("10.1.0.1")));
+        assert!(!p.refuses(ip("203.0.113.10")));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! rollback paths can be tested with a recording fake. [`RealHost`] is the libc/netlink
 //! implementation.
 
+use super::filter::{DomainFilter, FilterConfig};
 use super::layout::{
     parse_index, SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_PREFIX, LINK_PREFIX,
     NS_FILE_PREFIX, TAP_MAC, TAP_NAME, VETH_NS_NAME,
@@ -88,6 +89,34 @@ pub(crate) trait NetHost: Send + Sync + 'static {
     fn list_ns_files(&self, dir: &Path) -> Result<Vec<u32>, SysError>;
     fn list_slot_links(&self) -> Result<Vec<u32>, SysError>;
     fn enable_root_forwarding(&self) -> Result<(), SysError>;
+    /// The slot table's named counters inside the namespace file `ns` (network.md §5.8):
+    /// (name, packets, bytes) each.
+    fn read_counters(&self, ns: &Path) -> Result<Vec<(String, u64, u64)>, NetError>;
+    /// Starts the domain filter of the slot `l` (network.md §5.7).
+    fn start_filter(
+        &self,
+        l: &SlotLayout,
+        cfg: FilterConfig,
+        domains: Vec<String>,
+    ) -> Result<DomainFilter, SysError>;
+}
+
+/// The counters of `nft -j list counters` output: (name, packets, bytes).
+pub(crate) fn parse_counters(json: &[u8]) -> Result<Vec<(String, u64, u64)>, NetError> {
+    let v: serde_json::Value = serde_json::from_slice(json)
+        .map_err(|e| NetError::Firewall(format!("nft -j output: {e}")))?;
+    let items = v["nftables"].as_array().cloned().unwrap_or_default();
+    Ok(items
+        .iter()
+        .filter_map(|i| {
+            let c = i.get("counter")?;
+            Some((
+                c["name"].as_str()?.to_string(),
+                c["packets"].as_u64()?,
+                c["bytes"].as_u64()?,
+            ))
+        })
+        .collect())
 }
 
 /// An `nft` run in progress. Dropping it without [`RulesetLoad::wait`] kills and reaps
@@ -358,5 +387,34 @@ impl NetHost for RealHost {
 
     fn enable_root_forwarding(&self) -> Result<(), SysError> {
         netns::write_sysctl("net.ipv4.ip_forward", "1")
+    }
+
+    fn start_filter(
+        &self,
+        l: &SlotLayout,
+        cfg: FilterConfig,
+        domains: Vec<String>,
+    ) -> Result<DomainFilter, SysError> {
+        DomainFilter::start(l.index, &l.ns_path, cfg, domains)
+    }
+
+    fn read_counters(&self, ns: &Path) -> Result<Vec<(String, u64, u64)>, NetError> {
+        let ns_file = netns::open(ns)?;
+        let mut cmd = Command::new(&self.nft);
+        cmd.args(["-j", "list", "counters", "table", "ip", "agentenv"])
+            .stdin(Stdio::null())
+            .env_clear();
+        netns::spawn_in_netns(&mut cmd, &ns_file);
+        let out = cmd
+            .output()
+            .map_err(|e| NetError::Firewall(format!("cannot run {}: {e}", self.nft.display())))?;
+        if !out.status.success() {
+            return Err(NetError::Firewall(format!(
+                "nft list counters exited with {}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        parse_counters(&out.stdout)
     }
 }

@@ -2,6 +2,7 @@
 //! and background destruction on a janitor thread, startup reclaim, shutdown (§4, §6).
 
 use super::dns::{upstream_resolvers, DnsForwarder};
+use super::filter::FilterConfig;
 use super::firewall::{root_ruleset, FirewallPolicy, ROOT_REMOVE};
 use super::host::{NetHost, RealHost};
 use super::layout::SlotLayout;
@@ -53,6 +54,8 @@ pub(crate) struct Shared {
     pool_min: usize,
     pool_max: usize,
     policy: FirewallPolicy,
+    /// What every slot's domain filter needs (network.md §5.7).
+    pub(crate) filter: FilterConfig,
     state: Mutex<State>,
     filler_wake: Condvar,
     jobs: Sender<Job>,
@@ -149,6 +152,14 @@ impl Shared {
             log::info!("slot={index} op=release outcome=destroy reason=\"flush failed: {e}\"");
             return self.destroy(parts);
         }
+        // The next sandbox's counters start at zero.
+        let reset = "reset counters table ip agentenv\n";
+        if let Err(e) = self.host.load_ruleset(Some(&parts.layout.ns_path), reset) {
+            log::info!(
+                "slot={index} op=release outcome=destroy reason=\"counter reset failed: {e}\""
+            );
+            return self.destroy(parts);
+        }
         let mut st = self.state.lock();
         if !st.stopping && st.pool.len() < self.pool_max {
             st.pool.push_back(parts);
@@ -204,15 +215,19 @@ impl Shared {
 }
 
 /// The DNS forwarder when guests may reach out and the host names a resolver.
-fn start_dns(cfg: &NetworkConfig) -> Result<Option<DnsForwarder>, NetError> {
-    let resolvers = upstream_resolvers(cfg);
-    if !cfg.outbound || resolvers.is_empty() {
-        return Ok(None);
-    }
-    let to: Vec<SocketAddr> = resolvers
+/// The upstream resolvers, as the forwarder and the domain filter ask them.
+fn resolver_addrs(cfg: &NetworkConfig) -> Vec<SocketAddr> {
+    upstream_resolvers(cfg)
         .iter()
         .map(|ip| SocketAddr::from((*ip, 53)))
-        .collect();
+        .collect()
+}
+
+fn start_dns(cfg: &NetworkConfig) -> Result<Option<DnsForwarder>, NetError> {
+    let to = resolver_addrs(cfg);
+    if !cfg.outbound || to.is_empty() {
+        return Ok(None);
+    }
     DnsForwarder::start(&to, cfg.host_cidr())
         .map(Some)
         .map_err(|e| NetError::Sys(crate::sys::SysError::from_io("bind the DNS forwarder", e)))
@@ -263,6 +278,10 @@ impl SlotManager {
             max_slots: cfg.max_slots,
             pool_min: cfg.pool_min as usize,
             pool_max: cfg.pool_max as usize,
+            filter: FilterConfig {
+                resolvers: resolver_addrs(cfg),
+                policy: policy.clone(),
+            },
             policy,
             state: Mutex::new(State {
                 used,
@@ -323,10 +342,7 @@ impl SlotManager {
                 st.in_use += 1;
                 drop(st);
                 sh.filler_wake.notify_one();
-                return Ok(Slot {
-                    parts: Some(parts),
-                    shared: sh.clone(),
-                });
+                return Ok(Slot::new(parts, sh.clone()));
             }
             Shared::reserve(&mut st).ok_or(NetError::NoFreeSlot {
                 max_slots: sh.max_slots,
@@ -335,10 +351,7 @@ impl SlotManager {
         let parts = sh.build(index)?;
         sh.state.lock().in_use += 1;
         sh.filler_wake.notify_one();
-        Ok(Slot {
-            parts: Some(parts),
-            shared: sh.clone(),
-        })
+        Ok(Slot::new(parts, sh.clone()))
     }
 
     /// Gives a slot back after its VM exited. Checks, flush and pooling (or destruction)

@@ -6,6 +6,7 @@
 //! rollback paths are tested with a recording fake.
 
 pub mod dns;
+pub mod filter;
 mod firewall;
 mod host;
 mod layout;
@@ -22,7 +23,7 @@ pub use layout::{
 pub use manager::{SlotManager, SlotStats};
 #[cfg(test)]
 pub(crate) use slot::tests::FakeHost;
-pub use slot::Slot;
+pub use slot::{EgressCounts, Slot};
 
 use crate::sys::SysError;
 use std::fmt;

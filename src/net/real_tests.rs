@@ -440,7 +440,7 @@ fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
     assert!(ok, "{after}");
     // The drop comes before the outbound accept rules.
     let drop_at = after
-        .find("iifname \"tap0\" oifname \"veth0\" ct state new drop")
+        .find("iifname \"tap0\" oifname \"veth0\" ct state new counter name \"refused\" drop")
         .unwrap_or_else(|| panic!("no drop rule: {after}"));
     let accept_at = after
         .rfind("oifname \"veth0\" ct state new accept")

@@ -1,6 +1,7 @@
 //! Creating (network.md §3.2) and destroying (§3.3) one slot, and the public [`Slot`].
 
-use super::firewall::{slot_ruleset, EgressRules, FirewallPolicy};
+use super::filter::DomainFilter;
+use super::firewall::{slot_ruleset, EgressRules, FirewallPolicy, EGRESS_BYTES, REFUSED};
 use super::host::{NetHost, NsHandle, NsSnapshot};
 use super::layout::{SlotLayout, TAP_NAME, VETH_NS_NAME};
 use super::manager::Shared;
@@ -138,14 +139,37 @@ pub(crate) fn dirt(host: &dyn NetHost, parts: &mut SlotParts) -> Option<String> 
     (!found.is_empty()).then(|| found.join(", "))
 }
 
+/// A slot's egress counters (network.md §5.8).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EgressCounts {
+    /// Bytes the guest sent beyond its slot (IP packets, headers included).
+    pub bytes_out: u64,
+    /// New outbound connection attempts refused (dropped packets, and connections the
+    /// domain filter closed).
+    pub refused: u64,
+}
+
 /// One network slot handed to a sandbox. Dropping it without
 /// [`SlotManager::release`](super::SlotManager::release) destroys it in the background.
 pub struct Slot {
     pub(crate) parts: Option<SlotParts>,
     pub(crate) shared: Arc<Shared>,
+    /// The domain filter, while the sandbox's policy names domains (network.md §5.7).
+    pub(crate) filter: Option<DomainFilter>,
+    /// `allowInternetAccess: false`: no filter ever opens a way out.
+    pub(crate) outbound_denied: bool,
 }
 
 impl Slot {
+    pub(crate) fn new(parts: SlotParts, shared: Arc<Shared>) -> Slot {
+        Slot {
+            parts: Some(parts),
+            shared,
+            filter: None,
+            outbound_denied: false,
+        }
+    }
+
     /// The slot index n.
     pub fn index(&self) -> u32 {
         self.layout().index
@@ -178,8 +202,10 @@ impl Slot {
     pub fn deny_outbound(&mut self) -> Result<(), NetError> {
         let parts = self.parts.as_mut().expect("slot parts present until drop");
         parts.dedicated = true;
+        self.outbound_denied = true;
+        self.filter = None;
         let rule = format!(
-            "insert rule ip agentenv forward iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new drop\n"
+            "insert rule ip agentenv forward iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new counter name \"refused\" drop\n"
         );
         self.shared
             .host
@@ -192,9 +218,54 @@ impl Slot {
     pub fn set_egress(&mut self, rules: &EgressRules) -> Result<(), NetError> {
         let parts = self.parts.as_mut().expect("slot parts present until drop");
         parts.dedicated = true;
+        let filters = rules.filters() && !self.outbound_denied;
+        // The filter listens before the rules send anything to it.
+        let started = match (&self.filter, filters) {
+            (Some(f), true) => {
+                f.set_domains(rules.domains.clone());
+                None
+            }
+            (None, true) => Some(self.shared.host.start_filter(
+                &parts.layout,
+                self.shared.filter.clone(),
+                rules.domains.clone(),
+            )?),
+            (_, false) => None,
+        };
+        let mut update = rules.clone();
+        if !filters {
+            update.domains.clear();
+        }
         self.shared
             .host
-            .load_ruleset(Some(&parts.layout.ns_path), &rules.chain_update())
+            .load_ruleset(Some(&parts.layout.ns_path), &update.chain_update())?;
+        if started.is_some() {
+            self.filter = started;
+        } else if !filters {
+            self.filter = None;
+        }
+        Ok(())
+    }
+
+    /// What this slot's guest sent out and how many of its new connections were
+    /// refused since the slot was handed out (network.md §5.8): the table's counters
+    /// plus the domain filter's.
+    pub fn egress_counts(&self) -> Result<EgressCounts, NetError> {
+        let parts = self.parts.as_ref().expect("slot parts present until drop");
+        let mut c = EgressCounts::default();
+        for (name, packets, bytes) in self.shared.host.read_counters(&parts.layout.ns_path)? {
+            match name.as_str() {
+                EGRESS_BYTES => c.bytes_out += bytes,
+                REFUSED => c.refused += packets,
+                _ => {}
+            }
+        }
+        if let Some(f) = &self.filter {
+            let (refused, out, _) = f.counts();
+            c.refused += refused;
+            c.bytes_out += out;
+        }
+        Ok(c)
     }
 
     fn layout(&self) -> &SlotLayout {
@@ -329,6 +400,24 @@ pub(crate) mod tests {
         }
         fn enable_root_forwarding(&self) -> Result<(), SysError> {
             self.step("enable_root_forwarding")
+        }
+
+        fn start_filter(
+            &self,
+            _l: &SlotLayout,
+            _cfg: crate::net::filter::FilterConfig,
+            _domains: Vec<String>,
+        ) -> Result<crate::net::filter::DomainFilter, SysError> {
+            self.step("start_filter")?;
+            Ok(crate::net::filter::DomainFilter::inert())
+        }
+
+        fn read_counters(&self, _ns: &Path) -> Result<Vec<(String, u64, u64)>, NetError> {
+            self.step("read_counters")?;
+            Ok(vec![
+                ("egress_bytes".into(), 2, 100),
+                ("refused".into(), 3, 180),
+            ])
         }
     }
 

@@ -37,6 +37,11 @@ pub struct GuestSample {
     pub mem_cache: u64,
     pub disk_used: u64,
     pub disk_total: u64,
+    /// The host's counts for the sandbox's current slot (network.md §5.8), not the
+    /// guest's: bytes sent out and new outbound connections refused since it started or
+    /// resumed.
+    pub egress_bytes: u64,
+    pub egress_refused: u64,
 }
 
 /// What the guest agent's `GET /metrics` answers (unknown fields ignored, missing → 0).
@@ -71,6 +76,8 @@ impl GuestSample {
             mem_cache: a.mem_cache,
             disk_used: a.disk_used,
             disk_total: a.disk_total,
+            egress_bytes: 0,
+            egress_refused: 0,
         })
     }
 }
@@ -117,7 +124,7 @@ impl MetricsRing {
 
 /// Asks one running guest for a sample; `None` when it does not answer in time or
 /// answers nonsense.
-pub(crate) fn sample_guest(addr: SocketAddr) -> Option<GuestSample> {
+fn sample_guest(addr: SocketAddr) -> Option<GuestSample> {
     let (status, body) = crate::envd::call(
         addr,
         "GET",
@@ -155,9 +162,57 @@ fn sample_entry(entry: &SandboxEntry, agent_port: u16) {
     // A pause that began during the call leaves the sample out: a paused sandbox's
     // history ends where it stopped.
     if let Some(sample) =
-        sample_guest(addr).filter(|_| entry.guest_agent_addr(agent_port).is_some())
+        sample_sandbox(entry, addr).filter(|_| entry.guest_agent_addr(agent_port).is_some())
     {
         entry.metrics.push(sample);
+    }
+}
+
+/// One sample of a running sandbox: its guest's answer and its slot's egress counters.
+pub(crate) fn sample_sandbox(entry: &SandboxEntry, addr: SocketAddr) -> Option<GuestSample> {
+    let mut sample = sample_guest(addr)?;
+    if let Some(c) = egress_counts(entry) {
+        sample.egress_bytes = c.bytes_out;
+        sample.egress_refused = c.refused;
+    }
+    Some(sample)
+}
+
+/// The running sandbox's egress counters, from its supervisor (which owns the slot).
+fn egress_counts(entry: &SandboxEntry) -> Option<crate::net::EgressCounts> {
+    let ops = entry.runtime.lock().as_ref()?.ops.clone();
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    ops.send(super::sandbox::Op::EgressCounts { reply }).ok()?;
+    answer.recv_timeout(GUEST_TIMEOUT).ok().flatten()
+}
+
+/// `agentenv_sandbox_egress_bytes_total{sandbox}` and
+/// `agentenv_sandbox_egress_refused_total{sandbox}` of every running sandbox, from its
+/// newest sample (network.md §5.8). They restart from zero when a sandbox resumes.
+pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxEntry>]) {
+    use std::fmt::Write;
+    let latest: Vec<(String, GuestSample)> = entries
+        .iter()
+        .filter(|e| e.runtime.lock().is_some())
+        .filter_map(|e| Some((e.info.lock().id.clone(), e.metrics.latest()?)))
+        .collect();
+    for (name, help, value) in [
+        (
+            "agentenv_sandbox_egress_bytes_total",
+            "Bytes each running sandbox sent beyond its slot, since it started or resumed.",
+            (|s: &GuestSample| s.egress_bytes) as fn(&GuestSample) -> u64,
+        ),
+        (
+            "agentenv_sandbox_egress_refused_total",
+            "New outbound connection attempts of each running sandbox that were refused.",
+            |s: &GuestSample| s.egress_refused,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (id, sample) in &latest {
+            let _ = writeln!(out, "{name}{{sandbox=\"{id}\"}} {}", value(sample));
+        }
     }
 }
 

@@ -1014,7 +1014,7 @@ impl Orchestrator {
         }
         let live = entry
             .guest_agent_addr(self.shared.config.agent.port)
-            .and_then(guest_metrics::sample_guest);
+            .and_then(|addr| guest_metrics::sample_sandbox(entry, addr));
         if let Some(sample) = live {
             entry.metrics.push(sample);
         }
@@ -1049,6 +1049,7 @@ impl Orchestrator {
         );
         self.shared.launcher.admission.render_metrics(&mut out);
         self.shared.disk.render_metrics(&mut out);
+        guest_metrics::render_egress(&mut out, &self.shared.registry.entries());
         out
     }
 

@@ -230,6 +230,11 @@ pub enum Op {
         rules: crate::net::EgressRules,
         reply: Sender<Result<(), String>>,
     },
+    /// The slot's egress counters (network.md §5.8), for the metrics sampler; `None`
+    /// without a slot or when they cannot be read.
+    EgressCounts {
+        reply: Sender<Option<crate::net::EgressCounts>>,
+    },
     /// Freeze the disk into `dir` (a build step's cached result); the VM runs on.
     FreezeDisk {
         dir: std::path::PathBuf,

@@ -135,23 +135,43 @@ pub struct NetworkPolicy {
     pub allow_out: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny_out: Vec<String>,
-    /// E2B's `dnsServers`: only meaningful with domain entries in `allowOut`, kept and
-    /// shown. `None`: E2B's default.
+    /// E2B's `dnsServers`: with domain entries in `allowOut`, the resolvers the guest may
+    /// reach directly (network.md §5.7). `None`: E2B's default, `8.8.8.8`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns_servers: Option<Vec<String>>,
 }
 
+/// The resolver E2B opens when `allowOut` names domains and `dnsServers` is left out.
+const DEFAULT_DNS_SERVER: &str = "8.8.8.8/32";
+
 impl NetworkPolicy {
-    /// The rules the slot's `egress` chain gets.
+    /// The rules the slot's `egress` chain and domain filter get: `allowOut` entries are
+    /// CIDRs or domains; with domains, the `dnsServers` are allowed too.
     pub fn rules(&self) -> crate::net::EgressRules {
-        let parse = |v: &[String]| {
-            v.iter()
-                .filter_map(|c| crate::config::Cidr::parse(c))
-                .collect()
-        };
+        use crate::config::Cidr;
+        let mut allow: Vec<Cidr> = Vec::new();
+        let mut domains = Vec::new();
+        for e in &self.allow_out {
+            match Cidr::parse(e) {
+                Some(c) => allow.push(c),
+                None => domains.push(e.clone()),
+            }
+        }
+        if !domains.is_empty() {
+            let servers = match &self.dns_servers {
+                Some(d) => d.iter().map(|s| format!("{s}/32")).collect(),
+                None => vec![DEFAULT_DNS_SERVER.to_string()],
+            };
+            allow.extend(servers.iter().filter_map(|s| Cidr::parse(s)));
+        }
         crate::net::EgressRules {
-            allow: parse(&self.allow_out),
-            deny: parse(&self.deny_out),
+            allow,
+            deny: self
+                .deny_out
+                .iter()
+                .filter_map(|c| Cidr::parse(c))
+                .collect(),
+            domains,
         }
     }
 }

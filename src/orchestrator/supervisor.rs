@@ -673,6 +673,10 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 };
                 let _ = reply.send(applied);
             }
+            Ok(Op::EgressCounts { reply }) => {
+                let counts = runtime.slot.as_ref().and_then(|s| s.egress_counts().ok());
+                let _ = reply.send(counts);
+            }
             Ok(Op::FreezeDisk { dir, reply }) => {
                 let frozen = match runtime.vm.disk_chain_depth() {
                     Ok(d) if d + 2 >= vm::MAX_CHAIN_LAYERS => {
