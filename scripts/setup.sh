@@ -140,6 +140,17 @@ mkdir -p "$TEST_TOOLS/playwright"
 (cd "$TEST_TOOLS/playwright" && npm install --silent --no-audit --no-fund --no-save \
   "playwright-core@$PLAYWRIGHT_CORE_VERSION") || die "cannot install playwright-core@$PLAYWRIGHT_CORE_VERSION from npm"
 
+step "domain-mode tests: Debian's nginx and dnsmasq"
+# tests/e2e_domain.rs runs deploy/nginx/agentenv.conf in nginx (its own nginx.conf, its
+# own process) and dnsmasq on loopback addresses; the distribution's services stay off.
+if ! command -v nginx >/dev/null || ! command -v dnsmasq >/dev/null; then
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends nginx dnsmasq-base || die "cannot install nginx and dnsmasq-base"
+  if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    systemctl disable --now nginx >/dev/null 2>&1 || true
+  fi
+fi
+
 step "done: assets in $ASSETS"
 ls -la "$ASSETS"
 cat <<MSG
