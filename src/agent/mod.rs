@@ -594,6 +594,17 @@ impl AgentClient {
     }
 }
 
+impl AgentClient {
+    /// Has the guest write its filesystems' dirty data to disk, waiting up to `timeout`.
+    pub fn sync(&self, timeout: Duration) -> Result<(), AgentError> {
+        let call = Call::open(&self.shared, &Request::Sync)?;
+        match call.response(timeout, "sync")? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("sync", &other)),
+        }
+    }
+}
+
 impl Drop for AgentClient {
     fn drop(&mut self) {
         // Ends the demultiplexer thread; outstanding downloads then fail.

@@ -16,7 +16,7 @@
 //!   other calls, and no side buffers more than [`STREAM_WINDOW`] per stream.
 //! - `Cancel` (host→guest) abandons a stream.
 //!
-//! Sequences: `Hello`/`SetTime`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
+//! Sequences: `Hello`/`SetTime`/`Sync`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
 //! (host sends `Credit`s) → `Data`… → `End`, or an `Error` response at any point.
 //! `WriteFile` → `UploadReady` + `Credit` → host sends `Data`… `End` → `Done` or `Error`.
 //!
@@ -281,11 +281,23 @@ impl<R: Read> FrameReader<R> {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
-    Hello { version: u32 },
-    SetTime { unix_nanos: u64 },
+    Hello {
+        version: u32,
+    },
+    SetTime {
+        unix_nanos: u64,
+    },
+    /// Flush every filesystem's dirty data to its disk (`sync(2)`), answered `Done` once
+    /// done: before a filesystem-only pause drops the guest's memory.
+    Sync,
     Exec(ExecRequest),
-    ReadFile { path: String },
-    WriteFile { path: String, len: u64 },
+    ReadFile {
+        path: String,
+    },
+    WriteFile {
+        path: String,
+        len: u64,
+    },
 }
 
 /// Guest-side failure classes, mapped to [`super::AgentError`] on the host.

@@ -1,7 +1,9 @@
 //! Response bodies (api.md §3). Field names marked [E2B] in the spec are read by E2B SDKs.
 
 use crate::orchestrator::guest_metrics::GuestSample;
-use crate::orchestrator::{CatalogTemplate, SandboxInfo, SnapshotRecord, TemplateBuild};
+use crate::orchestrator::{
+    CatalogTemplate, SandboxInfo, SandboxState, SnapshotRecord, TemplateBuild,
+};
 use crate::util::rfc3339;
 use serde_json::{json, Value};
 
@@ -82,6 +84,10 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
         .iter()
         .map(|m| json!({"name": m.name, "path": m.path}))
         .collect::<Vec<_>>());
+    // Once a pause has finished: what it kept (E2B's `pauseMode`).
+    if let (SandboxState::Paused, Some(mode)) = (info.state, info.pause_mode) {
+        v["pauseMode"] = json!(mode.name());
+    }
     v
 }
 

@@ -6,8 +6,8 @@ use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::config::OnTimeout;
 use crate::orchestrator::{
-    ColdStart, CommandRequest, FromSnapshot, Ingress, Resources, SandboxInfo, SandboxRequest,
-    TemplateRequest,
+    ColdStart, CommandRequest, FromSnapshot, Ingress, PauseMode, PauseRequest, Resources,
+    SandboxInfo, SandboxRequest, TemplateRequest,
 };
 use crate::util::is_uuid;
 use serde_json::{json, Value};
@@ -892,7 +892,9 @@ fn connect(
     let secs = f
         .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
         .unwrap_or(default);
-    let connected = ctx.orchestrator.connect(id, secs, is_connect)?;
+    // `memory: false`: boot from the paused disk, whatever the pause kept.
+    let from = PauseMode::with_memory(f.bool("memory")?.unwrap_or(true));
+    let connected = ctx.orchestrator.connect(id, (secs, is_connect), from)?;
     // Resume answers 201 either way; connect answers 200 when it only extended the TTL.
     let status = if is_connect && !connected.resumed {
         200
@@ -902,9 +904,15 @@ fn connect(
     Ok(created(ctx, &connected.info, status))
 }
 
+/// `POST …/pause` with E2B's `memory` (`false`: filesystem-only) and
+/// `requireHealthyGuest` (docs/e2b.md, "Filesystem-only pause").
 fn pause(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
-    body(ctx, req)?;
-    ctx.orchestrator.pause(checked_id(id)?)?;
+    let f = body(ctx, req)?;
+    let request = PauseRequest {
+        mode: PauseMode::with_memory(f.bool("memory")?.unwrap_or(true)),
+        require_healthy_guest: f.bool("requireHealthyGuest")?.unwrap_or(false),
+    };
+    ctx.orchestrator.pause(checked_id(id)?, request)?;
     Ok(Reply::Empty(204))
 }
 

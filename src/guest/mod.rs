@@ -229,6 +229,10 @@ impl AgentServer {
                 }
                 self.sink.response(id, &Response::Done);
             }
+            Request::Sync => {
+                crate::sys::guest::sync_filesystems();
+                self.sink.response(id, &Response::Done);
+            }
             Request::Exec(req) => {
                 let sink = self.sink.clone();
                 let reaper = self.reaper.clone();

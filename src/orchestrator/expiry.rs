@@ -6,6 +6,7 @@
 
 use super::operations::pause;
 use super::registry::Registry;
+use super::settings::{PauseMode, PauseRequest};
 use super::{delete, SandboxState};
 use crate::hooks::StopReason;
 use parking_lot::Mutex;
@@ -60,7 +61,7 @@ impl Backoff {
     }
 
     /// Forgets sandboxes that are no longer expired (deleted, extended), unless in flight.
-    fn keep_only(&mut self, expired: &[(String, bool)]) {
+    fn keep_only<T>(&mut self, expired: &[(String, T)]) {
         self.sandboxes
             .retain(|id, a| a.in_flight || expired.iter().any(|(e, _)| e == id));
     }
@@ -84,7 +85,7 @@ pub(crate) fn tick(
     let expired = expired(registry, now);
     backoff.lock().keep_only(&expired);
     let mut threads = Vec::new();
-    for (id, auto_pause) in expired {
+    for (id, on_timeout) in expired {
         if !backoff.lock().start(&id, now) {
             continue;
         }
@@ -93,10 +94,11 @@ pub(crate) fn tick(
             let id = id.clone();
             let backoff = backoff.clone();
             move || {
-                let result = if auto_pause {
-                    pause(&registry, &id, StopReason::TimeoutPause).map(|()| "paused")
-                } else {
-                    delete(&registry, &id, StopReason::TimeoutKill).map(|()| "deleted")
+                let result = match on_timeout {
+                    Some(request) => {
+                        pause(&registry, &id, StopReason::TimeoutPause, request).map(|()| "paused")
+                    }
+                    None => delete(&registry, &id, StopReason::TimeoutKill).map(|()| "deleted"),
                 };
                 backoff.lock().done(&id, result.is_ok(), SystemTime::now());
                 match result {
@@ -124,14 +126,22 @@ pub(crate) fn tick(
     threads
 }
 
-fn expired(registry: &Registry, now: SystemTime) -> Vec<(String, bool)> {
+/// The running sandboxes past `endAt`, each with the pause its timeout asks for (`None`:
+/// it is deleted).
+fn expired(registry: &Registry, now: SystemTime) -> Vec<(String, Option<PauseRequest>)> {
     registry
         .entries()
         .iter()
         .filter_map(|e| {
             let info = e.info.lock();
-            (info.state == SandboxState::Running && info.end_at <= now)
-                .then(|| (info.id.clone(), info.settings.auto_pause))
+            (info.state == SandboxState::Running && info.end_at <= now).then(|| {
+                let s = &info.settings;
+                let request = s.auto_pause.then_some(PauseRequest {
+                    mode: PauseMode::with_memory(s.auto_pause_memory),
+                    require_healthy_guest: false,
+                });
+                (info.id.clone(), request)
+            })
         })
         .collect()
 }
@@ -167,7 +177,7 @@ mod tests {
         }
         assert!(b.sandboxes["b"].not_before <= at(10_000 * 39) + MAX_BACKOFF);
         // A sandbox that is no longer expired is forgotten.
-        b.keep_only(&[]);
+        b.keep_only::<()>(&[]);
         assert!(b.sandboxes.is_empty());
     }
 }

@@ -8,6 +8,7 @@ use super::fakes::sides::{FakeHooks, FakeMachines, FakeNet, Script};
 use super::operations::{self, Registered};
 use super::registry::Registry;
 use super::sandbox::{SandboxEntry, SandboxInfo, SandboxState};
+use super::settings::{PauseMode, PauseRequest};
 use super::start::{self, Launcher, StartKind, StartRequest};
 use super::supervisor::{RunDir, ThreadSpawner};
 use super::{delete, shutdown_all, OrchError};
@@ -355,7 +356,8 @@ fn a_pause_whose_commit_fails_keeps_the_capture_and_stays_resumable() {
     // The record cannot be replaced: its path is a directory.
     std::fs::remove_file(dir.join("record.json")).unwrap();
     std::fs::create_dir(dir.join("record.json")).unwrap();
-    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause).unwrap_err();
+    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause, PauseRequest::FULL)
+        .unwrap_err();
     assert!(e.to_string().contains("could not be saved"), "{e}");
     assert_eq!(entry.state(), SandboxState::Paused);
     let capture = entry.paused.lock().clone().expect("the capture is kept");
@@ -370,6 +372,49 @@ fn a_pause_whose_commit_fails_keeps_the_capture_and_stays_resumable() {
 }
 
 #[test]
+fn a_filesystem_only_pause_keeps_the_disk_and_no_memory_and_says_so_in_its_record() {
+    let rig = Rig::new();
+    let entry = rig.running("sb-1");
+    let request = PauseRequest {
+        mode: PauseMode::Filesystem,
+        require_healthy_guest: false,
+    };
+    operations::pause(&rig.registry, "sb-1", StopReason::Pause, request).unwrap();
+    assert_eq!(entry.state(), SandboxState::Paused);
+    assert!(entry.paused_filesystem_only());
+    assert_eq!(entry.info.lock().pause_mode, Some(PauseMode::Filesystem));
+    let dir = rig.registry.dir("sb-1");
+    let record = super::records::read(&dir).unwrap();
+    let capture = record.paused.expect("a committed capture");
+    assert!(capture.filesystem_only && capture.capture_files().is_empty());
+    assert_eq!(record.info.pause_mode, Some(PauseMode::Filesystem));
+    assert!(!dir.join("paused").exists(), "no state file, no RAM");
+    assert_eq!(rig.hooks.calls(), ["start-fresh sb-1", "stop sb-1 pause"]);
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_filesystem_only_pause_with_a_silent_agent_is_refused_and_the_sandbox_runs_on() {
+    let rig = Rig::new();
+    rig.script(Script {
+        fail_sync: true,
+        ..Script::default()
+    });
+    let entry = rig.running("sb-1");
+    let request = PauseRequest {
+        mode: PauseMode::Filesystem,
+        require_healthy_guest: false,
+    };
+    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause, request).unwrap_err();
+    assert!(matches!(e, OrchError::Unavailable(_)), "{e}");
+    assert!(e.to_string().contains("runs on"), "{e}");
+    assert_eq!(entry.state(), SandboxState::Running);
+    assert_eq!(rig.hooks.calls(), ["start-fresh sb-1"]);
+    delete(&rig.registry, "sb-1", StopReason::Delete).unwrap();
+    rig.assert_nothing_held();
+}
+
+#[test]
 fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
     let rig = Rig::new();
     rig.script(Script {
@@ -377,7 +422,8 @@ fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
         ..Script::default()
     });
     let entry = rig.running("sb-1");
-    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause).unwrap_err();
+    let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause, PauseRequest::FULL)
+        .unwrap_err();
     assert!(e.to_string().contains("pause failed"), "{e}");
     assert!(rig.registry.entry("sb-1").is_err(), "removed from the API");
     assert_eq!(entry.state(), SandboxState::Deleting);

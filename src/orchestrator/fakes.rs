@@ -215,6 +215,8 @@ pub(crate) mod sides {
         pub stuck_pause: bool,
         /// Dropping what only the boot needed fails.
         pub fail_boot_finished: bool,
+        /// The guest agent answers everything but `sync` (with an error).
+        pub fail_sync: bool,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -298,8 +300,8 @@ pub(crate) mod sides {
                 return Err(AgentError::Unreachable("the fake guest is silent".into()));
             }
             let (host, guest) = UnixStream::pair().expect("socket pair");
-            let hostile = self.script.hostile_agent;
-            std::thread::spawn(move || fake_guest(guest, hostile));
+            let (hostile, fail_sync) = (self.script.hostile_agent, self.script.fail_sync);
+            std::thread::spawn(move || fake_guest(guest, hostile, fail_sync));
             let client = AgentClient::from_stream(host)?;
             client.ping(deadline.saturating_duration_since(Instant::now()))?;
             Ok(client)
@@ -325,6 +327,19 @@ pub(crate) mod sides {
             let record = capture_into(dir, &self.run_dir)?;
             self.quit = true;
             Ok((record, CaptureStats::default()))
+        }
+        fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError> {
+            self.pauses.fetch_add(1, Ordering::SeqCst);
+            if self.script.fail_pause || self.script.stuck_pause {
+                return Err(VmError::InvalidSpec("the fake VM does not stop".into()));
+            }
+            let mut record = super::capture();
+            record.state_file = PathBuf::new();
+            record.disk = self.run_dir.join("disk.qcow2");
+            record.disk_layers = vec![record.disk.clone()];
+            record.filesystem_only = true;
+            self.quit = true;
+            Ok(record)
         }
         fn capture(
             &mut self,
@@ -378,9 +393,9 @@ pub(crate) mod sides {
         Ok(record)
     }
 
-    /// Answers hello and set-time; a hostile guest then sends a frame only the host may
-    /// send.
-    fn fake_guest(stream: UnixStream, hostile: bool) {
+    /// Answers hello, set-time and sync (unless `fail_sync`); a hostile guest then sends a
+    /// frame only the host may send.
+    fn fake_guest(stream: UnixStream, hostile: bool, fail_sync: bool) {
         let mut writer = stream.try_clone().expect("clone");
         let mut reader = FrameReader::new(stream);
         while let Ok(Some(frame)) = reader.read_frame() {
@@ -392,7 +407,11 @@ pub(crate) mod sides {
                     version: PROTOCOL_VERSION,
                     agent: "fake".into(),
                 },
-                Ok(Request::SetTime { .. }) => Response::Done,
+                Ok(Request::Sync) if fail_sync => Response::Error {
+                    kind: crate::agent::protocol::ErrorKind::Io,
+                    message: "the fake guest cannot sync".into(),
+                },
+                Ok(Request::SetTime { .. } | Request::Sync) => Response::Done,
                 _ => Response::Error {
                     kind: crate::agent::protocol::ErrorKind::Io,
                     message: "not in the fake guest".into(),

@@ -47,7 +47,8 @@ pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::OrchError;
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use settings::{
-    Ingress, NetworkPolicy, Resources, SandboxRequest, SandboxSettings, VolumeMount,
+    Ingress, NetworkPolicy, PauseMode, PauseRequest, Resources, SandboxRequest, SandboxSettings,
+    VolumeMount,
 };
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
@@ -426,7 +427,14 @@ impl Orchestrator {
     /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
     /// expiry changed, with no hooks: connect never shortens it, resume resets it. A
     /// paused one is resumed (custom-extension.md §5.5).
-    pub fn connect(&self, id: &str, secs: u64, is_connect: bool) -> Result<Connected, OrchError> {
+    /// `from` [`PauseMode::Filesystem`] (E2B's `memory: false`) boots a paused sandbox from
+    /// its disk whatever its pause kept.
+    pub fn connect(
+        &self,
+        id: &str,
+        (secs, is_connect): (u64, bool),
+        from: PauseMode,
+    ) -> Result<Connected, OrchError> {
         self.refuse_when_shutting_down()?;
         let shared = &self.shared;
         let paused = self
@@ -438,7 +446,13 @@ impl Orchestrator {
             DiskUse::Record
         };
         let result = self.on_state_disk(op, || {
-            operations::resume(&shared.registry, &shared.launcher, id, secs, is_connect)
+            operations::resume(
+                &shared.registry,
+                &shared.launcher,
+                id,
+                (secs, is_connect),
+                from,
+            )
         });
         if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
             self.shared.operations.record("resume", result.is_ok());
@@ -448,13 +462,13 @@ impl Orchestrator {
     }
 
     /// `POST …/pause`: 204 once paused; a paused sandbox answers 204 with no hooks.
-    pub fn pause(&self, id: &str) -> Result<(), OrchError> {
+    pub fn pause(&self, id: &str, request: PauseRequest) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
         let op = DiskUse::Pause {
             memory_mb: self.memory_of(id),
         };
         let result = self.on_state_disk(op, || {
-            operations::pause(&self.shared.registry, id, StopReason::Pause)
+            operations::pause(&self.shared.registry, id, StopReason::Pause, request)
         });
         self.shared.operations.record("pause", result.is_ok());
         self.log_event(id, "pause", &result, "paused");
@@ -1099,7 +1113,9 @@ fn shutdown_all(registry: &Arc<Registry>, launcher: &Launcher) {
             std::thread::spawn(move || {
                 // A sandbox that could not be paused is never deleted: its VM ends
                 // with the server, and what is stored of it stays.
-                if let Err(e) = operations::pause(&registry, &id, StopReason::Shutdown) {
+                if let Err(e) =
+                    operations::pause(&registry, &id, StopReason::Shutdown, PauseRequest::FULL)
+                {
                     log::error!("sandboxId={id} op=shutdown_pause result=kept error=\"{e}\"");
                 }
             })
@@ -1149,8 +1165,19 @@ fn load_sandboxes(dir: &std::path::Path) -> HashMap<String, Arc<SandboxEntry>> {
     loaded
         .paused
         .into_iter()
-        .map(|(_, record)| {
-            log::info!("sandboxId={} op=recover result=paused", record.info.id);
+        .map(|(_, mut record)| {
+            // Records from before `pauseMode`: their capture says what it kept.
+            let fs_only = record.paused.as_ref().is_some_and(|c| c.filesystem_only);
+            let mode = *record.info.pause_mode.get_or_insert(if fs_only {
+                PauseMode::Filesystem
+            } else {
+                PauseMode::Full
+            });
+            log::info!(
+                "sandboxId={} op=recover result=paused mode={}",
+                record.info.id,
+                mode.name()
+            );
             let id = record.info.id.clone();
             let entry = SandboxEntry::new(record.info, None);
             *entry.paused.lock() = record.paused;

@@ -7,7 +7,7 @@ use super::lifecycle::{admit, Admitted};
 use super::records::{self, SandboxRecord, PAUSED_DIR};
 use super::registry::Registry;
 use super::sandbox::{Call, Op, RuntimeHandle, SandboxEntry, SandboxInfo, SandboxState};
-use super::settings::SandboxSettings;
+use super::settings::{PauseMode, PauseRequest, SandboxSettings};
 use super::snapshots::{SnapshotRecord, Snapshots};
 use super::standby::Claimed;
 use super::start::{self, Launcher, StartKind, StartRequest, Started};
@@ -183,7 +183,14 @@ pub(crate) fn register_running(
 }
 
 /// Pause (custom-extension.md §5.4): API call, auto-pause on timeout, graceful shutdown. Idempotent.
-pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result<(), OrchError> {
+/// `request` says what it keeps (memory and disk, or the disk only: docs/e2b.md
+/// "Filesystem-only pause").
+pub(crate) fn pause(
+    registry: &Registry,
+    id: &str,
+    reason: StopReason,
+    request: PauseRequest,
+) -> Result<(), OrchError> {
     let entry = registry.entry(id)?;
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Pause)? else {
         return Ok(());
@@ -198,6 +205,7 @@ pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result
     let sandbox_dir = registry.dir(id);
     let mut paused_info = entry.info.lock().clone();
     paused_info.state = SandboxState::Paused;
+    paused_info.pause_mode = Some(request.mode);
     let record_dir = sandbox_dir.clone();
     let commit: supervisor::PauseCommit = Box::new(move |capture: &CaptureRecord| {
         records::save(
@@ -211,6 +219,7 @@ pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result
     let (tx, rx) = crossbeam_channel::bounded(1);
     let sent = runtime.ops.send(Op::Pause {
         reason,
+        request,
         dir: sandbox_dir.join(PAUSED_DIR),
         commit,
         reply: tx,
@@ -226,9 +235,11 @@ pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result
             let capture = records_capture(&sandbox_dir);
             *entry.runtime.lock() = None;
             *entry.paused.lock() = capture;
+            entry.info.lock().pause_mode = Some(request.mode);
             entry.set_state(SandboxState::Paused);
             log::info!(
-                "sandboxId={id} op=pause result=ok reason={reason} ms={}",
+                "sandboxId={id} op=pause result=ok reason={reason} mode={} ms={}",
+                request.mode.name(),
                 started.elapsed().as_millis()
             );
             Ok(())
@@ -238,6 +249,7 @@ pub(crate) fn pause(registry: &Registry, id: &str, reason: StopReason) -> Result
             // under a record that still says running and quarantines it.
             *entry.runtime.lock() = None;
             *entry.paused.lock() = Some(*capture);
+            entry.info.lock().pause_mode = Some(request.mode);
             entry.set_state(SandboxState::Paused);
             log::error!(
                 "sandboxId={id} op=pause result=paused_uncommitted reason={reason} error=\"{e}\""
@@ -294,12 +306,14 @@ fn records_capture(dir: &std::path::Path) -> Option<CaptureRecord> {
 }
 
 /// Resume or connect (custom-extension.md §5.5). A running sandbox only gets its expiry changed.
+/// `from` [`PauseMode::Filesystem`] cold-boots a fully paused sandbox from its disk,
+/// leaving its memory unused (E2B's `memory: false`); a filesystem-only pause always boots.
 pub(crate) fn resume(
     registry: &Arc<Registry>,
     launcher: &Arc<Launcher>,
     id: &str,
-    secs: u64,
-    is_connect: bool,
+    (secs, is_connect): (u64, bool),
+    from: PauseMode,
 ) -> Result<Connected, OrchError> {
     let entry = registry.entry(id)?;
     let call = if is_connect {
@@ -320,12 +334,13 @@ pub(crate) fn resume(
     };
     let started = Instant::now();
     entry.set_state(SandboxState::Resuming);
-    let result = restore_paused(registry, launcher, &entry, id);
+    let result = restore_paused(registry, launcher, &entry, id, from);
     match result {
         Ok((runtime, slot_facts)) => {
             let info = {
                 let mut info = entry.info.lock();
                 info.state = SandboxState::Running;
+                info.pause_mode = None;
                 info.host_ip = slot_facts.0;
                 info.netns_path = slot_facts.1;
                 info.end_at = SystemTime::now() + Duration::from_secs(secs);
@@ -370,12 +385,18 @@ fn restore_paused(
     launcher: &Arc<Launcher>,
     entry: &SandboxEntry,
     id: &str,
+    from: PauseMode,
 ) -> Result<(RuntimeHandle, SlotFacts), OrchError> {
-    let capture = entry
+    let mut capture = entry
         .paused
         .lock()
         .clone()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
+    if from == PauseMode::Filesystem {
+        // Its disk only: the saved memory is left as it is (removed with the capture
+        // once the sandbox runs).
+        capture.filesystem_only = true;
+    }
     let (params, internet_access, egress, resources, volumes) = {
         let info = entry.info.lock();
         (

@@ -168,6 +168,10 @@ pub struct SandboxInfo {
     /// only a running VM can be paused so.
     #[serde(skip)]
     pub paused_on_io_error: Option<IoErrorPause>,
+    /// What the committed pause of a paused sandbox kept (`pauseMode` in GET); `None`
+    /// while it runs or is still pausing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<super::settings::PauseMode>,
 }
 
 /// A running sandbox's VM paused by QEMU on a full state disk.
@@ -199,6 +203,7 @@ impl SandboxInfo {
             traffic_access_token: crate::util::new_secret(),
             guest_protocol_violation: None,
             paused_on_io_error: None,
+            pause_mode: None,
         }
     }
 }
@@ -210,9 +215,11 @@ pub enum Op {
         reason: crate::hooks::StopReason,
         reply: Sender<()>,
     },
-    /// Capture in place into `dir`, commit, quit, stop hook, release the slot.
+    /// Capture in place into `dir` (or, filesystem-only, sync the guest and keep its disk),
+    /// commit, quit, stop hook, release the slot.
     Pause {
         reason: crate::hooks::StopReason,
+        request: super::settings::PauseRequest,
         dir: std::path::PathBuf,
         commit: super::supervisor::PauseCommit,
         reply: Sender<super::supervisor::PauseOutcome>,

@@ -75,6 +75,56 @@ fn full_pause() -> bool {
     true
 }
 
+/// What a pause keeps (E2B's `pauseMode`): the memory and the disk, resumed where the
+/// guest left off, or the disk only, resumed by a cold boot from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseMode {
+    Full,
+    Filesystem,
+}
+
+impl PauseMode {
+    /// The mode of E2B's `memory` flag (`true`: full).
+    pub fn with_memory(memory: bool) -> PauseMode {
+        if memory {
+            PauseMode::Full
+        } else {
+            PauseMode::Filesystem
+        }
+    }
+
+    /// The name E2B's API uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            PauseMode::Full => "full",
+            PauseMode::Filesystem => "filesystem",
+        }
+    }
+}
+
+/// One pause as asked for: what it keeps, and whether a guest agent that does not answer
+/// refuses it (E2B's `requireHealthyGuest`; a filesystem-only pause always needs the
+/// agent, which syncs the guest's disk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PauseRequest {
+    pub mode: PauseMode,
+    pub require_healthy_guest: bool,
+}
+
+impl PauseRequest {
+    /// A full pause that goes on whatever the agent does (shutdown, the defaults).
+    pub const FULL: PauseRequest = PauseRequest {
+        mode: PauseMode::Full,
+        require_healthy_guest: false,
+    };
+
+    /// Whether the guest agent must answer before the VM stops.
+    pub fn needs_agent(self) -> bool {
+        self.require_healthy_guest || self.mode == PauseMode::Filesystem
+    }
+}
+
 /// How the guest's ports are reached from outside (docs/e2b.md, "Public ports").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

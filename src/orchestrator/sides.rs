@@ -89,7 +89,8 @@ pub(crate) trait Machines: Send + Sync {
     /// A fresh boot; with `memory` the guest's RAM is that file.
     fn boot(&self, spec: VmSpec, memory: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError>;
     /// A restore of `record`: state loaded, vCPUs not run yet
-    /// ([`Machine::resume_vcpus`] starts them).
+    /// ([`Machine::resume_vcpus`] starts them). A filesystem-only `record` cold-boots
+    /// from its disk instead, its vCPUs held the same way.
     fn restore(
         &self,
         record: &CaptureRecord,
@@ -121,6 +122,9 @@ pub(crate) trait Machine: Send {
     fn kill(self: Box<Self>);
     /// Captures the VM into `dir` and makes it quit (custom-extension.md §5.4).
     fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError>;
+    /// Stops the VM and makes it quit, keeping only its disk (a filesystem-only pause;
+    /// the guest synced its filesystems before).
+    fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError>;
     /// Captures the VM into `dir` in place; its vCPUs stay stopped.
     fn capture(
         &mut self,
@@ -160,6 +164,9 @@ impl Machines for QemuMachines {
         record: &CaptureRecord,
         spec: vm::RestoreSpec,
     ) -> Result<Box<dyn Machine>, VmError> {
+        if record.filesystem_only {
+            return Ok(Box::new(Vm::boot_from_disk(record, spec)?));
+        }
         let (vm, _) = Vm::restore(record, spec)?;
         Ok(Box::new(vm))
     }
@@ -191,6 +198,9 @@ impl Machine for Vm {
     }
     fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
         Vm::pause(self, dir)
+    }
+    fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError> {
+        Vm::pause_to_disk(self)
     }
     fn capture(
         &mut self,

@@ -5,6 +5,7 @@
 
 use super::admission::Reservation;
 use super::sandbox::{IoErrorPause, Op};
+use super::settings::{PauseMode, PauseRequest};
 use super::sides::Machine;
 use super::start::Launcher;
 use super::OrchError;
@@ -23,6 +24,10 @@ const VM_WATCH_INTERVAL: Duration = Duration::from_millis(500);
 const BUILD_DEATH_GRACE: Duration = Duration::from_millis(300);
 /// How long a supervisor may take to launch before its creator gives up on it.
 const LAUNCH_REPLY_SLACK: Duration = Duration::from_secs(60);
+/// How long the guest may take to write its dirty pages before a filesystem-only pause.
+const PAUSE_SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the agent may take to answer before a pause with `requireHealthyGuest`.
+const PAUSE_PING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A per-sandbox directory (disk layers, sockets, console log, record). Removed on drop
 /// while armed: a failed create leaves nothing behind, a failed resume keeps the paused
@@ -475,6 +480,11 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
     let tap = Some(crate::net::TAP_NAME.to_string());
     let qemu_binary = launcher.vm.qemu_binary.clone();
     let restored = matches!(launch, Launch::Restore { .. });
+    // A filesystem-only capture boots its kernel like a cold start (held like a restore).
+    let booted = match &launch {
+        Launch::Cold { .. } => true,
+        Launch::Restore { record, .. } => record.filesystem_only,
+    };
     let spawned = match launch {
         Launch::Cold {
             kernel_args,
@@ -569,7 +579,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         .and_then(|agent| {
             agent.set_label(&id);
             // A restored guest's clock stopped while it was saved (issue: guest clock).
-            if restored {
+            if restored && !booted {
                 let t = Instant::now();
                 vm::sync_guest_clock(&agent)?;
                 clock = t.elapsed();
@@ -578,7 +588,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         });
     match ready {
         Ok(agent) => {
-            if !restored {
+            if booted {
                 // Only costs idle CPU when it fails: the start goes on.
                 if let Err(e) = runtime.vm.boot_finished() {
                     log::warn!("sandboxId={id} op=launch step=boot_finished error=\"{e}\"");
@@ -631,10 +641,11 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
             }
             Ok(Op::Pause {
                 reason,
+                request,
                 dir,
                 commit,
                 reply,
-            }) => match pause(launcher, id, runtime, reason, &dir, commit) {
+            }) => match pause(launcher, id, runtime, (reason, request), &dir, commit) {
                 (Some(rt), outcome) => {
                     runtime = rt;
                     let _ = reply.send(outcome);
@@ -788,11 +799,33 @@ fn pause(
     launcher: &Launcher,
     id: &str,
     mut runtime: Runtime,
-    reason: StopReason,
+    (reason, request): (StopReason, PauseRequest),
     dir: &Path,
     commit: PauseCommit,
 ) -> (Option<Runtime>, PauseOutcome) {
-    match runtime.vm.pause(dir) {
+    if let Err(e) = ready_for_pause(&runtime, request) {
+        return (
+            Some(runtime),
+            PauseOutcome::RanOn(OrchError::Unavailable(format!(
+                "sandbox {id} was not paused and runs on: its guest agent did not answer ({e}); \
+                 {}",
+                match request.mode {
+                    PauseMode::Filesystem => {
+                        "a filesystem-only pause needs it to write the guest's files to its disk"
+                    }
+                    PauseMode::Full => "requireHealthyGuest asked for an answering agent",
+                }
+            ))),
+        );
+    }
+    let captured = match request.mode {
+        PauseMode::Full => runtime.vm.pause(dir),
+        PauseMode::Filesystem => runtime
+            .vm
+            .pause_to_disk()
+            .map(|record| (record, vm::CaptureStats::default())),
+    };
+    match captured {
         Ok((record, stats)) => {
             log::info!(
                 "sandboxId={id} op=pause frozenMs={} totalMs={} stateBytes={}",
@@ -832,6 +865,22 @@ fn pause(
             }
         }
     }
+}
+
+/// The guest agent's answer a pause needs first: a ping, or for a filesystem-only pause
+/// the guest's `sync` (its page cache dies with its memory).
+fn ready_for_pause(runtime: &Runtime, request: PauseRequest) -> Result<(), String> {
+    if !request.needs_agent() {
+        return Ok(());
+    }
+    let Some(agent) = &runtime.agent else {
+        return Err("the sandbox has no agent connection".into());
+    };
+    let answered = match request.mode {
+        PauseMode::Filesystem => agent.sync(PAUSE_SYNC_TIMEOUT),
+        PauseMode::Full => agent.ping(PAUSE_PING_TIMEOUT),
+    };
+    answered.map_err(|e| e.to_string())
 }
 
 /// custom-extension.md §5.7: capture in place with the disk frozen, then run on. The sandbox's disk chain

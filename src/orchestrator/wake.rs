@@ -12,6 +12,7 @@
 use super::envd::{route, EnvdRoute};
 use super::registry::Registry;
 use super::sandbox::{SandboxEntry, SandboxState};
+use super::settings::PauseMode;
 use super::start::Launcher;
 use super::OrchError;
 use std::sync::atomic::Ordering;
@@ -102,7 +103,13 @@ fn start_wake(
         .name("wake".into())
         .spawn(move || {
             let secs = entry2.info.lock().settings.timeout_secs;
-            let result = super::operations::resume(&registry, &launcher, &sandbox, secs, true);
+            let result = super::operations::resume(
+                &registry,
+                &launcher,
+                &sandbox,
+                (secs, true),
+                PauseMode::Full,
+            );
             match &result {
                 Ok(c) => log::info!(
                     "sandboxId={sandbox} op=auto_resume result=ok resumed={}",

@@ -115,6 +115,12 @@ pub fn set_realtime(unix_nanos: u128) -> SysResult<()> {
     check(ret, || "clock_settime CLOCK_REALTIME".to_string()).map(drop)
 }
 
+/// Writes every filesystem's dirty data to its disk (`sync(2)`, which cannot fail).
+pub fn sync_filesystems() {
+    // SAFETY: sync takes no arguments and touches no memory of ours.
+    unsafe { libc::sync() }
+}
+
 /// Sets the process umask; returns the previous one.
 pub fn set_umask(mask: u32) -> u32 {
     // SAFETY: umask cannot fail and touches no memory.

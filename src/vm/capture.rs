@@ -135,6 +135,9 @@ impl CaptureRecord {
     /// The files holding the captured RAM and device state (not the disk, the kernel or
     /// the initramfs), with what each is.
     pub fn capture_files(&self) -> Vec<(&'static str, &Path)> {
+        if self.filesystem_only {
+            return Vec::new();
+        }
         let mut files = vec![("saved VM state", self.state_file.as_path())];
         if let Some(memory) = &self.memory_file {
             files.push(("captured guest RAM", memory));
@@ -554,6 +557,45 @@ impl Vm {
         let (record, mut stats) = self.capture_then(dir, DiskCapture::InPlace, true)?;
         stats.total_ms = ms(started.elapsed());
         Ok((record, stats))
+    }
+
+    /// A filesystem-only pause: the vCPUs stop, QEMU quits (flushing and closing the disk),
+    /// and the record names the disk chain where it is, with no state file and no RAM.
+    /// The guest's own writes must have been synced first (the agent's `sync`): what its
+    /// page cache held is lost with its memory. On an error before QEMU quit the VM is left
+    /// stopped: the caller may resume it or kill it.
+    pub fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError> {
+        let started = Instant::now();
+        let chain = disk_chain(&self.facts.disk)?;
+        self.qmp().stop()?;
+        self.quit()?;
+        let mut record = self.record(PathBuf::new(), 0, &chain, chain.layers.clone(), false);
+        record.filesystem_only = true;
+        log::info!(
+            "vm op=pause_to_disk pid={} disk={} ms={}",
+            self.pid(),
+            record.disk.display(),
+            ms(started.elapsed())
+        );
+        Ok(record)
+    }
+
+    /// Cold-boots the disk of a filesystem-only `record` onto `spec.disk` (a new top
+    /// layer over it) with the kernel, initramfs and command line it first booted with;
+    /// the vCPUs are held until [`Vm::resume_vcpus`], as after a restore.
+    pub fn boot_from_disk(record: &CaptureRecord, spec: RestoreSpec) -> Result<Vm, VmError> {
+        if !record.filesystem_only {
+            return Err(VmError::InvalidSpec(
+                "only a filesystem-only capture boots from its disk".into(),
+            ));
+        }
+        check_restorable(record, &spec)?;
+        let launch = Launch {
+            cmdline: Some(&record.kernel_cmdline),
+            memory: None,
+            incoming: Incoming::Held,
+        };
+        Vm::start(vm_spec(record, spec), launch)
     }
 
     /// Restores `record` into a new QEMU process and returns once the state is loaded: the

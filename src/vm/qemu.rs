@@ -298,6 +298,9 @@ pub(crate) enum Incoming<'a> {
     File(&'a Path),
     /// `-incoming defer`: wait for QMP `migrate-incoming` (a pre-spawned standby).
     Defer,
+    /// A cold boot with the vCPUs held (`-S`) until `cont`: the boot of a
+    /// filesystem-only capture, whose guest may not run before its start hook succeeded.
+    Held,
 }
 
 /// What a launch needs beyond a [`VmSpec`]: the exact kernel command line, the RAM backing
@@ -529,6 +532,7 @@ fn build_argv(
         // -S: a state whose global state says "running" (a dirty-only pause's, see
         // super::dirty) still waits `paused` after the load; others say `paused` anyway.
         Incoming::Defer => push(&["-incoming", "defer", "-S"]),
+        Incoming::Held => push(&["-S"]),
     }
     Ok(argv)
 }
@@ -950,7 +954,7 @@ impl Vm {
             spec.memory_mb,
             kernel.display(),
             spec.run_dir.display(),
-            launch.incoming != Incoming::None,
+            !matches!(launch.incoming, Incoming::None | Incoming::Held),
             started.elapsed().as_millis()
         );
         let top = fds.disk.last().expect("a chain has a top");
@@ -1336,6 +1340,23 @@ mod tests {
         assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
         assert_eq!(value(&a, "-incoming"), "file:/dev/fdset/11");
         assert!(a.iter().any(|x| x == "fd=11,set=11,opaque=incoming"));
+    }
+
+    #[test]
+    fn a_held_boot_starts_with_its_vcpus_stopped_and_no_state() {
+        let held = Launch {
+            cmdline: Some("console=ttyS0 recorded"),
+            incoming: Incoming::Held,
+            ..Launch::cold()
+        };
+        let a: Vec<String> = build_argv(&spec(Accel::Kvm), &fds(), &held)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
+        assert!(a.iter().any(|x| x == "-S"), "{a:?}");
+        assert!(!a.iter().any(|x| x == "-incoming"), "{a:?}");
+        assert_eq!(value(&a, "-append"), "console=ttyS0 recorded");
     }
 
     #[test]
