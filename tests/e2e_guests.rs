@@ -6,6 +6,7 @@
 //! `base` at startup (`[templates] build_base`), which a bare `Sandbox.create()` uses
 //! (a create sent while it still builds waits for it). Templates from the Debian image
 //! are built with both SDKs' Template builders (tests/sdk/template_build.py, .mjs).
+//! A template built from the Debian image runs tests/sdk/file_metadata.py (envd 0.6).
 
 mod common;
 
@@ -136,4 +137,15 @@ fn debian_image_from_the_registry_runs_python() {
     assert_eq!(fetched.as_deref().ok(), Some("served\n"), "{fetched:?}");
     let (status, _) = server.call("DELETE", &format!("/sandboxes/{id}"), None);
     assert_eq!(status, 204);
+
+    // envd 0.6 on Debian's ext4 root (the busybox run is in e2e_sdk_lifecycle): file
+    // metadata as xattrs, Stat and ListDir against coreutils' stat, watch entries.
+    let lines = run_sdk_with(
+        &server,
+        &python,
+        "file_metadata.py",
+        None,
+        &[("AENV_SDK_TEMPLATE", "debian-app")],
+    );
+    println!("{}", lines.join("\n"));
 }

@@ -22,7 +22,12 @@ fn e2b_lifecycle_with_the_sdks() {
     build_template(&s, "base");
     let mut calls = Vec::new();
     let mut timings = Vec::new();
-    let python_scripts = ["e2b_defaults.py", "auto_resume.py", "fs_pause.py"];
+    let python_scripts = [
+        "e2b_defaults.py",
+        "auto_resume.py",
+        "fs_pause.py",
+        "file_metadata.py",
+    ];
     for script in python_scripts {
         let started = std::time::Instant::now();
         calls.extend(run_sdk(&s, &python, script, None));

@@ -562,6 +562,62 @@ fn files_upload_and_download() {
 }
 
 #[test]
+fn file_metadata_is_kept_as_user_xattrs() {
+    let e = Envd::start("metadata");
+    let file = e.path("meta.txt");
+    let url = format!("/files?path={}", file.replace('/', "%2F"));
+    let upload = |headers: &[(&str, &str)]| match e
+        .post(&url, "application/octet-stream", headers)
+        .send_bytes(b"data")
+    {
+        Ok(r) => (r.status(), r.into_json::<Value>().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap()),
+        Err(other) => panic!("{other}"),
+    };
+    let (status, written) = upload(&[("X-Metadata-Owner", "Team A"), ("x-metadata-stage", "1")]);
+    assert_eq!(status, 200, "{written}");
+    let want = json!({"owner": "Team A", "stage": "1"});
+    assert_eq!(written[0]["metadata"], want, "keys lowercased");
+    let stat = e.ok("/filesystem.Filesystem/Stat", json!({"path": file}));
+    assert_eq!(stat["entry"]["metadata"], want, "{stat}");
+    let listed = e.ok(
+        "/filesystem.Filesystem/ListDir",
+        json!({"path": e.path("")}),
+    );
+    let entry = listed["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "meta.txt")
+        .cloned()
+        .unwrap();
+    assert_eq!(entry["metadata"], want, "{entry}");
+    // A rewrite sets what it gives and keeps the rest.
+    let (_, again) = upload(&[("X-Metadata-Stage", "2")]);
+    assert_eq!(
+        again[0]["metadata"],
+        json!({"owner": "Team A", "stage": "2"})
+    );
+    let many: Vec<(String, String)> = (0..33)
+        .map(|i| (format!("X-Metadata-k{i}"), "v".into()))
+        .collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let big = "v".repeat(1025);
+    let (status, err) = upload(&[("X-Metadata-big", big.as_str())]);
+    assert_eq!(status, 400, "{err}");
+    assert!(
+        err["message"].as_str().unwrap().contains("at most 1024"),
+        "{err}"
+    );
+    let (status, err) = upload(&many);
+    assert_eq!(status, 400, "{err}");
+    assert!(
+        err["message"].as_str().unwrap().contains("at most 32"),
+        "{err}"
+    );
+}
+
+#[test]
 fn filesystem_calls() {
     let e = Envd::start("fs");
     let (status, v) = e.unary(

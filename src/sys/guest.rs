@@ -121,6 +121,71 @@ pub fn sync_filesystems() {
     unsafe { libc::sync() }
 }
 
+/// Largest list of xattr names (or value) read from one file; the kernel's own limit.
+const XATTR_MAX: usize = 64 * 1024;
+
+/// Sets the extended attribute `name` of the open `file` to `value` (`fsetxattr(2)`).
+pub fn set_xattr(file: &File, name: &str, value: &[u8]) -> SysResult<()> {
+    let op = || format!("fsetxattr {name}");
+    let c = CString::new(name).map_err(|_| SysError::from_errno(op(), libc::EINVAL))?;
+    // SAFETY: the fd is open for the call, `c` a valid C string, and `value` a live slice
+    // passed with its length; the kernel only reads them.
+    let ret = unsafe {
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            c.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    check(ret, op).map(drop)
+}
+
+/// The extended attributes of `path` itself (a final symlink is not followed) whose names
+/// start with `prefix`, with their values (`llistxattr(2)`, `lgetxattr(2)`). A file
+/// system without xattrs has none.
+pub fn xattrs_with_prefix(path: &Path, prefix: &str) -> SysResult<Vec<(String, Vec<u8>)>> {
+    let c = cstring("llistxattr", path)?;
+    let mut names = vec![0u8; XATTR_MAX];
+    // SAFETY: `c` is a valid C string; the buffer is live and its length passed.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        let e = SysError::last(format!("llistxattr {}", path.display()));
+        return match e.errno() {
+            Some(libc::ENOTSUP) => Ok(Vec::new()),
+            _ => Err(e),
+        };
+    }
+    names.truncate(n as usize);
+    let mut out = Vec::new();
+    for name in names
+        .split(|b| *b == 0)
+        .filter(|n| n.starts_with(prefix.as_bytes()))
+    {
+        let Ok(name_c) = CString::new(name) else {
+            continue;
+        };
+        let mut value = vec![0u8; XATTR_MAX];
+        // SAFETY: both C strings are valid; the buffer is live and its length passed.
+        let len = unsafe {
+            libc::lgetxattr(
+                c.as_ptr(),
+                name_c.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        if len < 0 {
+            // Removed since the list was read.
+            continue;
+        }
+        value.truncate(len as usize);
+        out.push((String::from_utf8_lossy(name).into_owned(), value));
+    }
+    Ok(out)
+}
+
 /// Sets the process umask; returns the previous one.
 pub fn set_umask(mask: u32) -> u32 {
     // SAFETY: umask cannot fail and touches no memory.

@@ -4,8 +4,9 @@
 //! Uploads are `multipart/form-data` (each `file` part's filename is its path unless
 //! `?path=` names one; several files per request) or `application/octet-stream` with
 //! `?path=`, optionally `Content-Encoding: gzip`. Missing parent directories are created
-//! and owned by the caller's account, as is the file; the answer lists what was written
-//! as `[{"name", "type": "file", "path"}]`.
+//! and owned by the caller's account, as is the file; `X-Metadata-<key>` headers become
+//! the file's `user.e2b.<key>` attributes ([`super::metadata`]); the answer lists what was
+//! written as `[{"name", "type": "file", "path", "metadata"?}]`.
 //!
 //! Both act with the caller's own permissions ([`Envd::act_as`]): a path the account could
 //! not read or write from a shell is 403, as on E2B.
@@ -20,6 +21,7 @@ use tiny_http::{Header, Request, Response};
 
 use super::connect::RpcError;
 use super::http;
+use super::metadata::Metadata;
 use super::multipart::{self, Multipart, MultipartError};
 use super::users::User;
 use super::{Call, Envd};
@@ -144,9 +146,11 @@ pub fn download(envd: &Envd, req: Request, query_string: &str) {
     }
 }
 
-/// Writes one uploaded file from `copy`, which moves the bytes into the open file.
+/// Writes one uploaded file from `copy`, which moves the bytes into the open file, then
+/// sets `metadata` on it.
 fn write_file(
     path: &Path,
+    metadata: &Metadata,
     copy: &mut dyn FnMut(&mut File) -> Result<(), FileError>,
 ) -> Result<Value, FileError> {
     let shown = path.display();
@@ -165,11 +169,38 @@ fn write_file(
         .open(path)
         .map_err(|e| FileError::new(io_status(&e), format!("error opening file {shown}: {e}")))?;
     copy(&mut file)?;
+    super::metadata::apply(&file, metadata).map_err(|e| metadata_error(path, &e))?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Ok(json!({"name": name, "type": "file", "path": path.to_string_lossy()}))
+    let mut entry = json!({"name": name, "type": "file", "path": path.to_string_lossy()});
+    if let Some(kept) = super::metadata::read(path) {
+        entry["metadata"] = json!(kept);
+    }
+    Ok(entry)
+}
+
+/// A file written whose metadata could not be kept.
+fn metadata_error(path: &Path, e: &crate::sys::SysError) -> FileError {
+    let shown = path.display();
+    match e.errno() {
+        Some(libc::ENOTSUP) => FileError::new(
+            400,
+            format!(
+                "the file system of {shown} does not keep user extended attributes, so it \
+                 cannot hold file metadata (tmpfs needs CONFIG_TMPFS_XATTR)"
+            ),
+        ),
+        Some(libc::E2BIG) | Some(libc::ENOSPC) | Some(libc::ERANGE) => FileError::new(
+            400,
+            format!("the metadata does not fit the extended attributes of {shown}: {e}"),
+        ),
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            FileError::new(403, format!("cannot set metadata on {shown}: {e}"))
+        }
+        _ => FileError::new(500, format!("cannot set metadata on {shown}: {e}")),
+    }
 }
 
 fn copy_error(e: io::Error) -> FileError {
@@ -204,6 +235,10 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
         Err(e) => return FileError::from(e).respond(req),
     };
     let path_param = query(&params, "path").filter(|p| !p.is_empty());
+    let metadata = match super::metadata::from_request(&req) {
+        Ok(m) => m,
+        Err(e) => return FileError::new(400, e).respond(req),
+    };
     let result = (|| {
         let raw: Box<dyn Read + '_> = match encoding.as_str() {
             "" | "identity" => Box::new(req.as_reader()),
@@ -225,7 +260,7 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
             };
             let path = envd.resolve(p, &user)?;
             let mut raw = raw;
-            let entry = write_file(&path, &mut |f| {
+            let entry = write_file(&path, &metadata, &mut |f| {
                 io::copy(&mut raw, f).map(drop).map_err(copy_error)
             })?;
             return Ok(vec![entry]);
@@ -266,7 +301,7 @@ pub fn upload(envd: &Envd, mut req: Request, query_string: &str) {
                     ),
                 ));
             }
-            let entry = write_file(&path, &mut |f| {
+            let entry = write_file(&path, &metadata, &mut |f| {
                 form.copy_part(f).map(drop).map_err(multipart_error)
             })?;
             written.push(entry);

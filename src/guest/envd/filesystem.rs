@@ -1,6 +1,6 @@
 //! `filesystem.Filesystem`: Stat, MakeDir, Move, ListDir, Remove (the watch calls are in
-//! [`super::watch`]). Entries are described as envd's `EntryInfo`; user-defined xattr
-//! metadata is not supported (always empty).
+//! [`super::watch`]). Entries are described as envd's `EntryInfo`, with the file's
+//! `user.e2b.*` attributes as `metadata` ([`super::metadata`]).
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -100,7 +100,8 @@ fn stat_error(path: &Path, e: &io::Error) -> RpcError {
 }
 
 /// envd's `EntryInfo` of `path` (not following a final symlink; a symlink reports its
-/// target's type and permission bits, and the target as `symlinkTarget`).
+/// target's type and permission bits, `isSymlink`, and the resolved target as
+/// `symlinkTarget`, as envd ≥ 0.6 does).
 pub fn entry_info(path: &Path, names: &OwnerNames) -> Result<Value, RpcError> {
     let meta = std::fs::symlink_metadata(path).map_err(|e| stat_error(path, &e))?;
     let name = path
@@ -139,6 +140,9 @@ pub fn entry_info(path: &Path, names: &OwnerNames) -> Result<Value, RpcError> {
     }
     if let Some(t) = target {
         v["symlinkTarget"] = json!(t);
+        v["isSymlink"] = json!(true);
+    } else if let Some(metadata) = super::metadata::read(path) {
+        v["metadata"] = json!(metadata);
     }
     Ok(v)
 }

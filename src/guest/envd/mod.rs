@@ -20,6 +20,7 @@ pub mod connect;
 pub mod files;
 pub mod filesystem;
 pub mod http;
+pub mod metadata;
 pub mod metrics;
 pub mod multipart;
 pub mod process;
