@@ -102,7 +102,7 @@ fn nginx_config(dir: &Path, upstream: &str, crt: &Path, key: &Path) -> PathBuf {
     }
     let d = path(dir);
     let conf = format!(
-        "daemon off;\nuser root;\nworker_processes 1;\npid {d}/nginx.pid;\n\
+        "daemon off;\n# One process: killing the child ends nginx (a master's worker outlives its SIGKILL).\nmaster_process off;\nuser root;\npid {d}/nginx.pid;\n\
          error_log {d}/nginx-error.log info;\nevents {{ worker_connections 512; }}\n\
          http {{\n    log_format hosts '$host $status $request';\n\
          access_log {d}/nginx-access.log hosts;\n\
