@@ -123,7 +123,7 @@ def timeout_form():
     sbx.files.write("/home/user/timeout.txt", "kept across a timeout pause\n")
     sbx.commands.run("sleep 3600", background=True)
     bad = httpx.post(f"{API}/sandboxes/{sbx.sandbox_id}/pause", headers=HEADERS, json={"memory": "no"}, timeout=30)
-    ok("pause with a non-boolean memory is 400", bad.status_code == 400, (bad.status_code, bad.text))
+    ok("pause with a non-boolean memory is 422", bad.status_code == 422, (bad.status_code, bad.text))
     sbx.set_timeout(2)
     ok("the timeout pauses it", wait_paused(sbx))
     d = detail(sbx.sandbox_id)
