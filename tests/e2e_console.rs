@@ -5,15 +5,7 @@
 mod common;
 
 use common::*;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-
-/// One server at a time on a host: the tests here take turns.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 const ID: &str = "01900000-0000-7000-8000-000000000000";
 

@@ -325,6 +325,7 @@ fn host_primary_address() -> String {
 
 #[test]
 fn guests_reach_the_internet_by_default_and_nothing_of_the_host() {
+    let _serial = serial();
     let net = Internet::start();
     let s = Server::start(&format!(
         "outbound = true\ndns = \"{DNS}\"\noutbound_allowed_cidrs = [\"{PRIVATE_ALLOWED}/32\"]\n"
@@ -512,6 +513,7 @@ fn direct_dns_answers(s: &Server, id: &str) -> bool {
 
 #[test]
 fn allow_out_domains_are_matched_on_sni_and_host() {
+    let _serial = serial();
     let _net = Internet::start();
     let s = Server::start(&format!("outbound = true\ndns = \"{DNS}\"\n"));
     let policy = json!({"allowOut": [NAME, "*.sub.egress.test"], "denyOut": ["0.0.0.0/0"]});

@@ -14,7 +14,7 @@ use common::*;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "e2e-token.0123456789";
@@ -23,13 +23,6 @@ const TIMEOUT_MS: u64 = 4000;
 const SLOW_STOP_MS: u64 = 3000;
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const NETNS_PREFIX: &str = "/var/run/netns/agentenv-ns-";
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// One server on the host at a time, even when the test harness runs tests in parallel.
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn extension_toml(url: &str, timeout_ms: u64, token: Option<&str>) -> String {
     let mut t = format!("[custom_extension]\nurl = \"{url}\"\ntimeout_ms = {timeout_ms}\n");

@@ -10,15 +10,7 @@ use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-/// One server at a time: a host runs one agentenv.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn metric(s: &Server, line_start: &str) -> Option<f64> {
     let text = ureq::get(&format!("{}/metrics", s.base))

@@ -383,6 +383,14 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+static ONE_SERVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One agentenv server on a host at a time: tests of one binary that start a server take
+/// turns through this, even when the harness runs them in parallel.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_SERVER.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Waits until `f` is true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
