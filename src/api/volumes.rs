@@ -55,27 +55,35 @@ pub fn delete(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
     Ok(Reply::Empty(204))
 }
 
-/// The volume a content request names, once its token (or the API key) checks out.
+/// The volume a content request names, once its token (or the API key) checks out. The
+/// credentials are checked before anything else of the request, and a caller with
+/// neither learns nothing (not even whether the volume exists).
 fn authorized(ctx: &Context, req: &Request, id: &str) -> Result<Arc<Volume>, ApiError> {
-    let volume = ctx.orchestrator.volume(id)?;
     let header = |name: &'static str| {
         req.headers()
             .iter()
             .find(|h| h.field.equiv(name))
             .map(|h| h.value.as_str().to_string())
     };
-    let bearer = header("Authorization")
-        .and_then(|v| v.strip_prefix("Bearer ").map(str::to_string))
-        .is_some_and(|t| constant_time_eq(t.as_bytes(), volume.record.token.as_bytes()));
-    let key =
-        header("X-API-Key").is_some_and(|k| constant_time_eq(k.as_bytes(), ctx.api_key.as_bytes()));
-    if bearer || key {
-        Ok(volume)
-    } else {
-        Err(ApiError::new(
+    let refused = || {
+        ApiError::new(
             401,
             "missing or invalid volume token: send Authorization: Bearer <the volume's token>",
-        ))
+        )
+    };
+    let key =
+        header("X-API-Key").is_some_and(|k| constant_time_eq(k.as_bytes(), ctx.api_key.as_bytes()));
+    if key {
+        return Ok(ctx.orchestrator.volume(id)?);
+    }
+    let bearer = header("Authorization")
+        .and_then(|v| v.strip_prefix("Bearer ").map(str::to_string))
+        .ok_or_else(refused)?;
+    let volume = ctx.orchestrator.volume(id).map_err(|_| refused())?;
+    if constant_time_eq(bearer.as_bytes(), volume.record.token.as_bytes()) {
+        Ok(volume)
+    } else {
+        Err(refused())
     }
 }
 
@@ -128,14 +136,11 @@ fn meta_of(pairs: &[(String, String)]) -> Result<Meta, ApiError> {
     })
 }
 
-/// Runs `op` on the volume's mounted tree for an authorized request.
+/// Runs `op` on the mounted tree of a volume the request was authorized for.
 fn on_tree<T>(
-    ctx: &Context,
-    req: &Request,
-    t: &Target,
+    volume: &Volume,
     op: impl FnOnce(&Tree) -> Result<T, VolumeError>,
 ) -> Result<T, ApiError> {
-    let volume = authorized(ctx, req, t.var)?;
     let mounted = volume.mounted().map_err(OrchError::from)?;
     let tree = mounted.tree();
     Ok(op(&tree).map_err(OrchError::from)?)
@@ -143,18 +148,20 @@ fn on_tree<T>(
 
 /// `GET /volumecontent/{id}/path?path=`: what the entry is.
 pub fn stat(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let path = path_of(&pairs)?;
-    let e = on_tree(ctx, req, t, |tree| tree.stat(&path))?;
+    let e = on_tree(&volume, |tree| tree.stat(&path))?;
     Ok(Reply::json(200, entry(&e)))
 }
 
 /// `GET /volumecontent/{id}/dir?path=&depth=`: the entries under a directory.
 pub fn list_dir(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let path = path_of(&pairs)?;
     let depth = number(&pairs, "depth", MAX_DEPTH)?.unwrap_or(1).max(1);
-    let entries = on_tree(ctx, req, t, |tree| tree.list(&path, depth))?;
+    let entries = on_tree(&volume, |tree| tree.list(&path, depth))?;
     Ok(Reply::json(
         200,
         Value::Array(entries.iter().map(entry).collect()),
@@ -164,17 +171,19 @@ pub fn list_dir(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, A
 /// `POST /volumecontent/{id}/dir?path=&uid=&gid=&mode=&force=`: 201 with the new
 /// directory; `force` makes its missing parents.
 pub fn make_dir(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let (path, meta, force) = (path_of(&pairs)?, meta_of(&pairs)?, flag(&pairs, "force")?);
-    let e = on_tree(ctx, req, t, |tree| tree.make_dir(&path, meta, force))?;
+    let e = on_tree(&volume, |tree| tree.make_dir(&path, meta, force))?;
     Ok(Reply::json(201, entry(&e)))
 }
 
 /// `GET /volumecontent/{id}/file?path=`: the file's bytes.
 pub fn read(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let path = path_of(&pairs)?;
-    let (file, length) = on_tree(ctx, req, t, |tree| tree.read(&path))?;
+    let (file, length) = on_tree(&volume, |tree| tree.read(&path))?;
     Ok(Reply::Stream {
         reader: Box::new(file),
         length,
@@ -184,9 +193,9 @@ pub fn read(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiEr
 /// `PUT /volumecontent/{id}/file?path=&uid=&gid=&mode=&force=`: the body becomes the file
 /// (created or overwritten); 201 with what it is now. `force` makes missing parents.
 pub fn write(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let (path, meta, force) = (path_of(&pairs)?, meta_of(&pairs)?, flag(&pairs, "force")?);
-    let volume = authorized(ctx, req, t.var)?;
     let mounted = volume.mounted().map_err(OrchError::from)?;
     let length = req.body_length();
     let mut reader: Box<dyn Read> = match length {
@@ -202,9 +211,9 @@ pub fn write(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiE
 
 /// `PATCH /volumecontent/{id}/path?path=` `{uid?, gid?, mode?}`.
 pub fn set_meta(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let path = path_of(&pairs)?;
-    authorized(ctx, req, t.var)?;
     let fields = body(ctx, req)?;
     let id = |k| {
         fields
@@ -216,15 +225,16 @@ pub fn set_meta(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, A
         gid: id("gid")?,
         mode: fields.int_in("mode", 0..=0o7777)?.map(|n| n as u32),
     };
-    let e = on_tree(ctx, req, t, |tree| tree.set_meta(&path, meta))?;
+    let e = on_tree(&volume, |tree| tree.set_meta(&path, meta))?;
     Ok(Reply::json(200, entry(&e)))
 }
 
 /// `DELETE /volumecontent/{id}/path?path=`: the entry and all under it.
 pub fn remove(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
+    let volume = authorized(ctx, req, t.var)?;
     let pairs = query::parse(t.query);
     let path = path_of(&pairs)?;
-    on_tree(ctx, req, t, |tree| tree.remove(&path))?;
+    on_tree(&volume, |tree| tree.remove(&path))?;
     Ok(Reply::Empty(204))
 }
 
