@@ -19,6 +19,7 @@ AGENT_TARGET=x86_64-unknown-linux-gnu
 # Test tools: a python venv and an npm prefix (shared with the other test tools).
 TEST_TOOLS=/opt/agentenv-tests
 E2B_PY_VERSION=2.63.0
+E2B_CODE_INTERPRETER_VERSION=2.11.5
 SCHEMATHESIS_VERSION=4.32.5
 E2B_JS_VERSION=2.51.0
 PLAYWRIGHT_CORE_VERSION=1.65.1
@@ -122,6 +123,10 @@ mkdir -p "$TEST_TOOLS"
   || die "cannot create the venv $TEST_TOOLS/venv"
 "$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "e2b==$E2B_PY_VERSION" \
   || die "cannot install e2b==$E2B_PY_VERSION from PyPI"
+# tests/e2e_ports.rs drives the code interpreter SDK (e2b pinned so pip keeps it).
+"$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "e2b==$E2B_PY_VERSION" \
+  "e2b-code-interpreter==$E2B_CODE_INTERPRETER_VERSION" \
+  || die "cannot install e2b-code-interpreter==$E2B_CODE_INTERPRETER_VERSION from PyPI"
 # tests/e2e_fuzz.rs fuzzes the API from its OpenAPI document.
 "$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION" \
   || die "cannot install schemathesis==$SCHEMATHESIS_VERSION from PyPI"

@@ -3,7 +3,9 @@
 //! with the traffic token, `maskRequestHost`, a WebSocket echo through the proxy's
 //! tunnel and its idle limit (tests/sdk/ports.py, guest side tests/sdk/ports_guest.py);
 //! signed file URLs fetched with no header, then tampered and expired, logging nothing
-//! secret (tests/sdk/signed_urls.py).
+//! secret (tests/sdk/signed_urls.py); the code interpreter SDK (`e2b-code-interpreter`)
+//! running code and managing contexts on the template's port 49999
+//! (tests/sdk/code_interpreter.py, guest side tests/sdk/code_interpreter_guest.py).
 //! One server and one template build (one cold boot) serve every script.
 
 mod common;
@@ -16,19 +18,22 @@ use std::time::Duration;
 /// Builds template `name` from the Debian test image (python3 in the guest).
 fn build_debian_template(s: &Server, name: &str) {
     let image = debian_image();
-    // The template's start command starts tests/sdk/ports_guest.py in the background
-    // and waits until it listens: every sandbox of the template starts with the servers
-    // running (python under TCG takes ~20 s to start them in each sandbox otherwise).
-    let program = std::fs::read(format!(
-        "{}/tests/sdk/ports_guest.py",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .unwrap();
+    // The template's start command starts tests/sdk/ports_guest.py and
+    // tests/sdk/code_interpreter_guest.py in the background and waits until they listen:
+    // every sandbox of the template starts with the servers running (python under TCG
+    // takes ~20 s to start them in each sandbox otherwise).
+    let program = |name: &str| {
+        let file = format!("{}/tests/sdk/{name}", env!("CARGO_MANIFEST_DIR"));
+        base64_of(&std::fs::read(file).unwrap())
+    };
     let start = format!(
         "echo {} | base64 -d > /opt/ports_guest.py && \
+         echo {} | base64 -d > /opt/code_interpreter_guest.py && \
          (setsid python3 /opt/ports_guest.py </dev/null >/dev/null 2>&1 &) && \
-         until [ -e /tmp/ports-ready ]; do sleep 0.2; done",
-        base64_of(&program)
+         (setsid python3 /opt/code_interpreter_guest.py </dev/null >/dev/null 2>&1 &) && \
+         until [ -e /tmp/ports-ready ] && [ -e /tmp/code-interpreter-ready ]; do sleep 0.2; done",
+        program("ports_guest.py"),
+        program("code_interpreter_guest.py")
     );
     let body = json!({"name": name, "image": image, "memoryMB": 512, "cpuCount": 1,
                       "diskSizeMB": 2048, "startCmd": start});
@@ -90,6 +95,15 @@ fn public_ports_and_tunnels_with_the_sdk() {
         "the tunnels are logged, the quiet one as idle:\n{}",
         common::sdk::tail(&log, 40)
     );
+    // The code interpreter SDK's /execute and /contexts on the same template.
+    let started = std::time::Instant::now();
+    let interpreter = run_sdk_with(&s, &python, "code_interpreter.py", None, &template);
+    println!(
+        "{}\ncode_interpreter.py {:.1}s",
+        interpreter.join("\n"),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(interpreter.iter().filter(|l| l.contains(": ok ")).count() >= 17);
     let (_, left) = s.call("GET", "/v2/sandboxes", None);
-    assert_eq!(left, json!([]), "the script kills what it creates");
+    assert_eq!(left, json!([]), "the scripts kill what they create");
 }
