@@ -1100,8 +1100,8 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// Time from the call to the request's arrival at the extension, through the worker queue
-/// and with a bare ureq call in the same run. Prints the numbers; asserts a loose bound so
-/// that a loaded CI machine does not fail it.
+/// and with a bare ureq call in the same run. Prints the numbers and checks that every
+/// call arrived; no timing is asserted.
 #[test]
 fn dispatch_overhead_vs_bare_ureq() {
     let ext = Extension::start();
@@ -1142,8 +1142,8 @@ fn dispatch_overhead_vs_bare_ureq() {
         "call->arrival median: hook client {mc:?}, bare ureq {mb:?}, overhead {:?}; round trip median: hook client {rc:?}, bare ureq {rb:?}",
         mc.saturating_sub(mb)
     );
-    assert!(
-        mc.saturating_sub(mb) < Duration::from_millis(2),
-        "{mc:?} vs {mb:?}"
-    );
+    // Every call of both kinds reached the extension; the figures are for the reader
+    // (docs/performance.md), not a bound: a loaded host must not fail this test.
+    let arrived = ext.requests_for("patch-params");
+    assert_eq!(arrived.len(), 2 * (n + 20), "every call arrives once");
 }
