@@ -11,7 +11,7 @@
 //! every hook is configured, so resume and create from a template include start-resume.
 //!
 //! Needs root and the assets of scripts/setup.sh; run it through `scripts/bench`, which
-//! holds the host lock. `AENV_BENCH_RUNS` sets the runs per row (default 20). Prints a
+//! holds the host lock. `AENV_BENCH_RUNS` sets the runs per row (default 15). Prints a
 //! markdown table (p50, p90, ratios) for docs/performance.md.
 
 #[path = "common/mod.rs"]
@@ -32,14 +32,8 @@ fn main() {
         return;
     }
     let started = Instant::now();
-    let runs: usize = std::env::var("AENV_BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15)
-        .max(1);
-    let assets = PathBuf::from(
-        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
-    );
+    let runs = common::runs(15);
+    let assets = common::assets_dir();
     // Short: QEMU's socket paths under it must fit in sun_path.
     let work = PathBuf::from(format!("/tmp/aenv-lc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);

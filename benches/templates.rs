@@ -104,14 +104,8 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = std::env::var("AENV_BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15)
-        .max(1);
-    let assets = PathBuf::from(
-        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
-    );
+    let runs = common::runs(15);
+    let assets = common::assets_dir();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/build-debian-image.sh");
     let out = std::process::Command::new(script).output().unwrap();
     assert!(

@@ -27,6 +27,22 @@ pub const MIGRATION_CAPS: &[(&str, bool)] = &[("x-ignore-shared", true)];
 /// Upper bound for any single step of the floor (boot, save, load).
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Runs per row: `AENV_BENCH_RUNS`, else `default`; at least one.
+pub fn runs(default: usize) -> usize {
+    std::env::var("AENV_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+        .max(1)
+}
+
+/// The guest assets: `AENV_ASSETS_DIR`, else where setup puts them.
+pub fn assets_dir() -> PathBuf {
+    PathBuf::from(
+        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
+    )
+}
+
 pub fn sorted(v: &[f64]) -> Vec<f64> {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.partial_cmp(b).unwrap());
