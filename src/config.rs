@@ -57,6 +57,89 @@ pub struct Config {
     pub templates: TemplatesConfig,
     pub admission: AdmissionConfig,
     pub volumes: VolumesConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// `[cluster]`: this server as one node of many behind one endpoint (docs/cluster.md).
+/// Without `node` the server is a single node and the other keys must stay unset.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// This node's name, 1–16 of `[a-z0-9-]`; it ends every sandbox id made here.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// How peers reach this node's API: `http://ADDR:PORT`.
+    pub advertise_url: String,
+    /// The nodes' API URLs (may include this node's own).
+    pub peers: Vec<String>,
+    /// Or `NAME:PORT`: a DNS name whose A/AAAA records are the nodes, re-resolved every
+    /// `refresh_secs`.
+    pub peers_dns: String,
+    /// How often the peers are looked at again (DNS, names and capacities).
+    pub refresh_secs: u64,
+    /// How long a peer may take to answer a list or capacity question before it is left
+    /// out of the answer.
+    pub peer_timeout_ms: u64,
+}
+
+impl ClusterConfig {
+    /// This node's name, when it is a cluster node.
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref().filter(|n| !n.is_empty())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let Some(node) = self.node() else {
+            if !self.advertise_url.is_empty()
+                || !self.peers.is_empty()
+                || !self.peers_dns.is_empty()
+            {
+                return invalid(
+                    "cluster.node",
+                    "is unset while other [cluster] keys are set; name this node (1-16 of [a-z0-9-]) or remove them".into(),
+                );
+            }
+            return Ok(());
+        };
+        if !crate::cluster::id::is_node_name(node) {
+            return invalid(
+                "cluster.node",
+                format!("{node:?} must be 1-16 of [a-z0-9-]"),
+            );
+        }
+        if let Err(why) = crate::cluster::peer::PeerUrl::parse(&self.advertise_url) {
+            return invalid(
+                "cluster.advertise_url",
+                format!("{:?} {why}", self.advertise_url),
+            );
+        }
+        for peer in &self.peers {
+            if let Err(why) = crate::cluster::peer::PeerUrl::parse(peer) {
+                return invalid("cluster.peers", format!("{peer:?} {why}"));
+            }
+        }
+        if !self.peers.is_empty() && !self.peers_dns.is_empty() {
+            return invalid(
+                "cluster.peers_dns",
+                "set either cluster.peers or cluster.peers_dns, not both".into(),
+            );
+        }
+        if !self.peers_dns.is_empty() && crate::cluster::peer::dns_name(&self.peers_dns).is_none() {
+            return invalid(
+                "cluster.peers_dns",
+                format!("{:?} is not NAME:PORT", self.peers_dns),
+            );
+        }
+        if !(1..=3600).contains(&self.refresh_secs) {
+            return invalid("cluster.refresh_secs", "must be within 1..=3600".into());
+        }
+        if !(1..=60_000).contains(&self.peer_timeout_ms) {
+            return invalid("cluster.peer_timeout_ms", "must be within 1..=60000".into());
+        }
+        Ok(())
+    }
 }
 
 /// `[volumes]`: the quota of E2B volumes (docs/operations.md, "Volumes").
@@ -536,6 +619,17 @@ impl Config {
                     "false" | "0" => self.templates.build_base = false,
                     _ => {}
                 },
+                "AENV_CLUSTER_NODE" => self.cluster.node = Some(v.clone()),
+                "AENV_CLUSTER_ADVERTISE_URL" => self.cluster.advertise_url = v.clone(),
+                "AENV_CLUSTER_PEERS" => {
+                    self.cluster.peers = v
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|p| !p.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                }
+                "AENV_CLUSTER_PEERS_DNS" => self.cluster.peers_dns = v.clone(),
                 // Set but blank still wins: it disables the extension (custom-extension.md §1.3).
                 "AENV_CUSTOM_EXTENSION_URL" => {
                     self.custom_extension.url = Some(v.clone());
@@ -644,6 +738,7 @@ impl Config {
             return invalid("agent.max_concurrent_commands", "must be at least 1".into());
         }
         self.volumes.validate()?;
+        self.cluster.validate()?;
         self.admission.validate()
     }
 }
@@ -868,6 +963,57 @@ mod tests {
         let c =
             Config::from_sources(Some(("f", "[server]\nlisten=\"127.0.0.1:1\"")), &env).unwrap();
         assert_eq!(c.server.listen, "127.0.0.1:9");
+    }
+
+    #[test]
+    fn cluster_keys() {
+        let c = Config::from_sources(None, &[]).unwrap();
+        assert_eq!(c.cluster.node(), None);
+        let file = "[cluster]\nnode = \"n1\"\nadvertise_url = \"http://198.51.100.1:3000\"\n\
+                    peers = [\"http://198.51.100.1:3000\", \"http://198.51.100.2:3000\"]\n";
+        let c = load(file).unwrap();
+        assert_eq!(c.cluster.node(), Some("n1"));
+        assert_eq!(c.cluster.peers.len(), 2);
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let c = Config::from_sources(
+            Some(("f", file)),
+            &env(&[
+                ("AENV_CLUSTER_NODE", "n-2"),
+                ("AENV_CLUSTER_ADVERTISE_URL", "http://198.51.100.2:3000"),
+                ("AENV_CLUSTER_PEERS", ""),
+                ("AENV_CLUSTER_PEERS_DNS", "agentenv-peers.default.svc:3000"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.cluster.node(), Some("n-2"));
+        assert!(c.cluster.peers.is_empty());
+        assert_eq!(c.cluster.peers_dns, "agentenv-peers.default.svc:3000");
+        let bad = [
+            ("[cluster]\nnode = \"N1\"\nadvertise_url = \"http://a:1\"\n", "cluster.node"),
+            ("[cluster]\nnode = \"n1\"\n", "cluster.advertise_url"),
+            ("[cluster]\npeers = [\"http://a:1\"]\n", "cluster.node"),
+            (
+                "[cluster]\nnode = \"n1\"\nadvertise_url = \"http://a:1\"\npeers = [\"a:1\"]\n",
+                "cluster.peers",
+            ),
+            (
+                "[cluster]\nnode = \"n1\"\nadvertise_url = \"http://a:1\"\npeers = [\"http://a:1\"]\npeers_dns = \"p:1\"\n",
+                "cluster.peers_dns",
+            ),
+            (
+                "[cluster]\nnode = \"n1\"\nadvertise_url = \"http://a:1\"\npeers_dns = \"p\"\n",
+                "cluster.peers_dns",
+            ),
+        ];
+        for (text, key) in bad {
+            let e = load(text).unwrap_err();
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
     }
 
     #[test]

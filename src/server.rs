@@ -34,6 +34,10 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
         Some(p) => log::info!("op=config source={}", p.display()),
         None => log::info!("op=config source=embedded-defaults"),
     }
+    if let Some(node) = config.cluster.node() {
+        crate::cluster::id::set_node(node)?;
+        log::info!("op=config cluster.node={node}");
+    }
     let problems = preflight::check(&config);
     if !problems.is_empty() {
         return Err(StartupError(problems.join("\n")));

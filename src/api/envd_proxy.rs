@@ -36,9 +36,10 @@
 
 use super::signed_url::{Refusal, SignedUrl};
 use super::ApiError;
+use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
 use crate::orchestrator::{Access, EnvdRoute, EnvdTarget, Orchestrator};
-use crate::util::{constant_time_eq, is_uuid};
+use crate::util::constant_time_eq;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{SocketAddr, SocketAddrV4};
@@ -366,7 +367,7 @@ fn host_destination(host: &str) -> Option<Destination> {
         .filter(|p| *p != 0 && port.bytes().all(|b| b.is_ascii_digit()))?;
     let sandbox = sandbox.to_ascii_lowercase();
     // A dot is required: `<port>-<id>` alone is not a sandbox host name.
-    (is_uuid(&sandbox) && host.contains('.')).then_some(Destination { sandbox, port })
+    (is_sandbox_id(&sandbox) && host.contains('.')).then_some(Destination { sandbox, port })
 }
 
 fn header<'a>(request: &'a Request, name: &str) -> Option<&'a str> {
@@ -683,6 +684,9 @@ mod tests {
         let d = host_destination(&format!("8080-{upper}.example.com:443")).unwrap();
         assert_eq!(d.port, 8080);
         assert_eq!(d.sandbox, ID);
+        // A cluster node's id carries its node (`cluster::id`).
+        let d = host_destination(&format!("3000-{ID}-node-2.example.com")).unwrap();
+        assert_eq!((d.port, d.sandbox), (3000, format!("{ID}-node-2")));
         for host in [
             "api.example.com".to_string(),
             "127.0.0.1:8000".to_string(),

@@ -19,7 +19,7 @@ fn identity(info: &SandboxInfo, envd_version: &str) -> Value {
     let mut v = json!({
         "sandboxID": info.id,
         "templateID": info.settings.template_id,
-        "clientID": "",
+        "clientID": crate::cluster::id::node_of(&info.id).unwrap_or(""),
         "envdVersion": envd_version,
         "hostInteractionIp": info.host_ip.to_string(),
     });

@@ -4,12 +4,12 @@ use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
 use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
+use crate::cluster::id::is_sandbox_id;
 use crate::config::OnTimeout;
 use crate::orchestrator::{
     ColdStart, CommandRequest, FromSnapshot, Ingress, PauseMode, PauseRequest, Resources,
     SandboxInfo, SandboxRequest, TemplateRequest,
 };
-use crate::util::is_uuid;
 use serde_json::{json, Value};
 use std::io::Read;
 use tiny_http::{Method, Request};
@@ -331,7 +331,7 @@ pub(super) fn body(ctx: &Context, req: &mut Request) -> Result<Fields, ApiError>
 
 /// A `{id}` that is not a UUID is as unknown as an unknown id (api.md §1.5).
 fn checked_id(id: &str) -> Result<&str, ApiError> {
-    if is_uuid(id) {
+    if is_sandbox_id(id) {
         Ok(id)
     } else {
         Err(ApiError::not_found(format!("sandbox {id} not found")))
@@ -730,7 +730,7 @@ fn decode_token(token: &str) -> Option<(u128, String)> {
         .collect();
     let text = String::from_utf8(bytes?).ok()?;
     let (nanos, id) = text.split_once(':')?;
-    is_uuid(id).then_some(())?;
+    is_sandbox_id(id).then_some(())?;
     Some((nanos.parse().ok()?, id.to_string()))
 }
 
@@ -1251,7 +1251,7 @@ fn several_sandbox_metrics(ctx: &Context, query_string: &str) -> Result<Reply, A
             ids.len()
         )));
     }
-    if let Some(bad) = ids.iter().find(|id| !is_uuid(id)) {
+    if let Some(bad) = ids.iter().find(|id| !is_sandbox_id(id)) {
         return Err(ApiError::bad_request(format!(
             "sandbox_ids: {bad:?} is not a sandbox id"
         )));

@@ -116,7 +116,7 @@ pub(crate) fn create_cold(
     let started = Instant::now();
     let image = images.prepare_rootfs(&req.image, req.resources.disk_size_mb)?;
     let image_ms = started.elapsed().as_millis();
-    let id = crate::util::new_id();
+    let id = crate::cluster::id::new_sandbox_id();
     let run_dir = RunDir::create(registry.dir(&id))?;
     let dir = run_dir.path().to_path_buf();
     let settings = SandboxSettings {
@@ -535,7 +535,7 @@ pub(crate) fn clone_from_capture(
     let (id, run_dir, top, prepared) = match standby {
         Some(c) => (c.id, c.run_dir, c.disk, Some(Box::new(c.prepared))),
         None => {
-            let id = crate::util::new_id();
+            let id = crate::cluster::id::new_sandbox_id();
             let run_dir = RunDir::create(registry.dir(&id))?;
             let top = vm::create_clone_disk(&capture.disk_layers, run_dir.path())
                 .map_err(|e| OrchError::Internal(e.to_string()))?;

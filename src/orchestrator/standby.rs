@@ -450,7 +450,7 @@ fn make(
     let reservation = launcher
         .admission
         .reserve(resources.memory_mb, resources.cpu_count)?;
-    let id = crate::util::new_id();
+    let id = crate::cluster::id::new_sandbox_id();
     let run_dir = RunDir::create(sandboxes_dir.join(&id))?;
     let disk = (launcher.standby.clone_disk)(record, run_dir.path()).map_err(|e| internal(&e))?;
     let slot = launcher.net.acquire()?;

@@ -19,10 +19,11 @@
 
 use super::super::envd_proxy::EnvdProxy;
 use super::super::ApiError;
+use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, Framing, Outgoing, Patience};
 use crate::guest::envd::connect::{self, FLAG_END_STREAM};
 use crate::orchestrator::{EnvdRoute, EnvdTarget, Orchestrator};
-use crate::util::{constant_time_eq, is_uuid};
+use crate::util::constant_time_eq;
 use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -59,7 +60,7 @@ const QUIET: Duration = Duration::from_secs(3600);
 /// The sandbox of a terminal path.
 pub fn sandbox_of(path: &str) -> Option<&str> {
     path.strip_prefix("/console/terminal/")
-        .filter(|id| is_uuid(id))
+        .filter(|id| is_sandbox_id(id))
 }
 
 /// The open terminals, and what they need to start.
