@@ -50,18 +50,7 @@ impl ApiError {
 
 impl From<OrchError> for ApiError {
     fn from(e: OrchError) -> ApiError {
-        let status = match &e {
-            OrchError::NotFound(_) => 404,
-            OrchError::BadRequest(_) => 400,
-            OrchError::Conflict(_) => 409,
-            OrchError::TooMany(_) => 429,
-            OrchError::Upstream(_) => 502,
-            OrchError::Unavailable(_) => 503,
-            OrchError::Internal(_) => 500,
-            OrchError::NotImplemented(_) => 501,
-            OrchError::InsufficientStorage(_) => 507,
-        };
-        ApiError::new(status, e.message())
+        ApiError::new(e.status(), e.message())
     }
 }
 

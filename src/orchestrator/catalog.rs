@@ -94,12 +94,11 @@ impl Catalog {
     }
 
     fn save(&self, t: &CatalogTemplate) -> Result<(), OrchError> {
-        crate::store::ensure_private_dir(&self.dir)
-            .map_err(|e| OrchError::Internal(e.to_string()))?;
-        let bytes = serde_json::to_vec_pretty(t)
-            .map_err(|e| OrchError::Internal(format!("cannot encode catalog record: {e}")))?;
-        crate::store::write_atomic(&self.dir.join(format!("{}.json", t.id)), &bytes, 0o600)
-            .map_err(|e| OrchError::Internal(e.to_string()))
+        crate::store::ensure_private_dir(&self.dir)?;
+        Ok(crate::store::write_json(
+            &self.dir.join(format!("{}.json", t.id)),
+            t,
+        )?)
     }
 
     pub fn list(&self) -> Vec<CatalogTemplate> {

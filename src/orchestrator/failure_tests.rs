@@ -12,7 +12,7 @@ use super::settings::{PauseMode, PauseRequest};
 use super::start::{self, Launcher, StartKind, StartRequest};
 use super::supervisor::{RunDir, ThreadSpawner};
 use super::{delete, shutdown_all, OrchError};
-use crate::hooks::StopReason;
+use crate::hooks::{HookError, StopReason};
 use crate::vm::Accel;
 use parking_lot::Mutex;
 use std::path::PathBuf;
@@ -220,7 +220,10 @@ fn a_failed_start_hook_is_stopped_with_the_callers_reason_and_rolled_back() {
     let mut req = rig.request("sb-1", true);
     req.failed_reason = StopReason::TemplateBuild;
     let e = rig.failed_start(req, &["start-fresh sb-1", "stop sb-1 template-build"]);
-    assert!(matches!(e, OrchError::Upstream(_)), "{e:?}");
+    assert!(
+        matches!(e, OrchError::Hook(HookError::Failed { .. })),
+        "{e:?}"
+    );
     assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 0, "no VM started");
 }
 
@@ -282,7 +285,10 @@ fn a_failed_start_resume_kills_the_prepared_vm_and_rolls_back() {
         restore_request(&rig, "sb-1"),
         &["start-resume sb-1", "stop sb-1 start-failed"],
     );
-    assert!(matches!(e, OrchError::Upstream(_)), "{e:?}");
+    assert!(
+        matches!(e, OrchError::Hook(HookError::Failed { .. })),
+        "{e:?}"
+    );
     assert_eq!(
         rig.vms.boots.load(Ordering::SeqCst),
         1,

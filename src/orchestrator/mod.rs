@@ -742,7 +742,7 @@ impl Orchestrator {
         let params = if is_empty_params(&req.params) {
             snap.settings.custom_extension_params.clone()
         } else if !launcher.hooks.enabled() {
-            return Err(start::hook_error(crate::hooks::HookError::Disabled));
+            return Err(crate::hooks::HookError::Disabled.into());
         } else {
             req.params.clone()
         };
@@ -872,7 +872,7 @@ impl Orchestrator {
         admit(&entry, id, Call::PatchParams)?;
         let hooks = &self.shared.launcher.hooks;
         if !hooks.enabled() {
-            return Err(start::hook_error(crate::hooks::HookError::Disabled));
+            return Err(crate::hooks::HookError::Disabled.into());
         }
         if !entry.begin_patch() {
             return Err(OrchError::Conflict(format!(
@@ -882,7 +882,7 @@ impl Orchestrator {
         }
         let result = hooks.patch_params(id, &patch);
         // Stored durably before the answer (custom-extension.md §10.3).
-        let result = result.map_err(start::hook_error).and_then(|params| {
+        let result = result.map_err(OrchError::from).and_then(|params| {
             let info = {
                 let mut info = entry.info.lock();
                 info.settings.custom_extension_params = params.clone();

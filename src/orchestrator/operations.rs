@@ -101,7 +101,7 @@ pub(crate) fn boot_fresh(
         &req.run_dir.path().join("disk.qcow2"),
         req.resources.disk_size_mb,
     )
-    .map_err(|e| OrchError::Internal(e.to_string()))?;
+    .map_err(|e| OrchError::vm("creating the sandbox's disk", e))?;
     start::start(launcher, req)
 }
 
@@ -225,10 +225,10 @@ pub(crate) fn pause(
         reply: tx,
     });
     let outcome = match sent {
-        Ok(()) => rx.recv().unwrap_or_else(|_| {
-            PauseOutcome::Gone(OrchError::Internal("the sandbox's VM is gone".into()))
-        }),
-        Err(_) => PauseOutcome::Gone(OrchError::Internal("the sandbox's VM is gone".into())),
+        Ok(()) => rx
+            .recv()
+            .unwrap_or_else(|_| PauseOutcome::Gone(OrchError::vm_gone())),
+        Err(_) => PauseOutcome::Gone(OrchError::vm_gone()),
     };
     match outcome {
         PauseOutcome::Paused => {
@@ -410,15 +410,16 @@ fn restore_paused(
     let dir = registry.dir(id);
     // Guest writes after the restore go to a new top layer, so a failed resume leaves the
     // paused disk exactly as captured.
-    let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
-    let chain = vm::disk_chain(&capture.disk).map_err(|e| internal(&e))?;
+    let chain = vm::disk_chain(&capture.disk)
+        .map_err(|e| OrchError::vm("reading the paused disk's chain", e))?;
     let top = vm::next_layer_path(&dir, &chain);
     let backing = capture
         .disk
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    vm::create_layer(&top, &backing, capture.disk_virtual_bytes).map_err(|e| internal(&e))?;
+    vm::create_layer(&top, &backing, capture.disk_virtual_bytes)
+        .map_err(|e| OrchError::vm("adding the resumed disk's layer", e))?;
     let started = start::start(
         launcher,
         StartRequest {
@@ -498,7 +499,7 @@ fn capture_running(
             run_on: true,
             reply: tx,
         })
-        .map_err(|_| OrchError::Internal("the sandbox's VM is gone".into()))?;
+        .map_err(|_| OrchError::vm_gone())?;
     match rx.recv() {
         Ok(Ok(capture)) => Ok(capture),
         Ok(Err(PauseOutcome::RanOn(e))) => {
@@ -515,7 +516,7 @@ fn capture_running(
             Err(remove_stopped(registry, entry, id, "snapshot", e))
         }
         Ok(Err(PauseOutcome::Gone(_) | PauseOutcome::Paused | PauseOutcome::Uncommitted(..)))
-        | Err(_) => Err(OrchError::Internal("the sandbox's VM is gone".into())),
+        | Err(_) => Err(OrchError::vm_gone()),
     }
 }
 
@@ -538,7 +539,7 @@ pub(crate) fn clone_from_capture(
             let id = crate::cluster::id::new_sandbox_id();
             let run_dir = RunDir::create(registry.dir(&id))?;
             let top = vm::create_clone_disk(&capture.disk_layers, run_dir.path())
-                .map_err(|e| OrchError::Internal(e.to_string()))?;
+                .map_err(|e| OrchError::vm("cloning the snapshot's disk", e))?;
             (id, run_dir, top, None)
         }
     };

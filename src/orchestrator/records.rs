@@ -73,10 +73,7 @@ pub(crate) fn save(dir: &Path, record: &SandboxRecord) -> Result<(), OrchError> 
             .as_ref()
             .map(|c| relative_capture(c, state_dir)),
     };
-    let bytes = serde_json::to_vec_pretty(&stored)
-        .map_err(|e| OrchError::Internal(format!("cannot encode sandbox record: {e}")))?;
-    crate::store::write_atomic(&dir.join(RECORD_FILE), &bytes, 0o600)
-        .map_err(|e| OrchError::Internal(e.to_string()))
+    Ok(crate::store::write_json(&dir.join(RECORD_FILE), &stored)?)
 }
 
 /// What startup found in the sandboxes directory.

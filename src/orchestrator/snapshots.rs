@@ -196,10 +196,10 @@ impl Snapshots {
             capture: super::records::relative_capture(&record.capture, state_dir),
             ..record.clone()
         };
-        let bytes = serde_json::to_vec_pretty(&stored)
-            .map_err(|e| OrchError::Internal(format!("cannot encode snapshot record: {e}")))?;
-        crate::store::write_atomic(&self.dir(&record.id).join(RECORD_FILE), &bytes, 0o600)
-            .map_err(|e| OrchError::Internal(e.to_string()))
+        Ok(crate::store::write_json(
+            &self.dir(&record.id).join(RECORD_FILE),
+            &stored,
+        )?)
     }
 
     /// By id when it has the form of a UUID, else by name (api.md §1.5).

@@ -446,13 +446,13 @@ fn make(
     record: &CaptureRecord,
     resources: Resources,
 ) -> Result<Claimed, OrchError> {
-    let internal = |e: &dyn std::fmt::Display| OrchError::Internal(e.to_string());
     let reservation = launcher
         .admission
         .reserve(resources.memory_mb, resources.cpu_count)?;
     let id = crate::cluster::id::new_sandbox_id();
     let run_dir = RunDir::create(sandboxes_dir.join(&id))?;
-    let disk = (launcher.standby.clone_disk)(record, run_dir.path()).map_err(|e| internal(&e))?;
+    let disk = (launcher.standby.clone_disk)(record, run_dir.path())
+        .map_err(|e| OrchError::vm("cloning the template's disk", e))?;
     let slot = launcher.net.acquire()?;
     let spec = slot.open_netns().map(|netns| RestoreSpec {
         run_dir: run_dir.path().to_path_buf(),
@@ -466,8 +466,10 @@ fn make(
         Ok(spec) => launcher
             .machines
             .standby(record, spec)
-            .map_err(|e| internal(&e)),
-        Err(e) => Err(internal(&e)),
+            .map_err(|e| OrchError::vm("starting a standby", e)),
+        Err(e) => Err(OrchError::Internal(format!(
+            "cannot open the slot's network namespace: {e}"
+        ))),
     };
     match vm {
         Ok(vm) => Ok(Claimed {

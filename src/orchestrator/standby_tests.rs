@@ -7,7 +7,7 @@ use super::fakes::sides::Script;
 use super::operations;
 use super::standby::StandbyPool;
 use super::{delete, shutdown_all, OrchError};
-use crate::hooks::StopReason;
+use crate::hooks::{HookError, StopReason};
 use crate::vm::{CaptureRecord, VmError};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -139,7 +139,7 @@ fn a_failed_start_resume_on_a_standby_rolls_it_all_back() {
     rig.hooks.fail_start.store(true, Ordering::SeqCst);
     let (id, created) = rig.create_from_standby();
     assert!(
-        matches!(created, Err(OrchError::Upstream(_))),
+        matches!(created, Err(OrchError::Hook(HookError::Failed { .. }))),
         "{created:?}"
     );
     assert_eq!(

@@ -25,7 +25,7 @@ use super::state_disk::StateDisk;
 use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
-use crate::hooks::{HookError, Instance, StartContext, StopReason};
+use crate::hooks::{Instance, StartContext, StopReason};
 use crate::net::Slot;
 use crate::vm::{self, Accel, CaptureRecord};
 use serde_json::Value;
@@ -138,15 +138,6 @@ pub(crate) struct Started {
     pub netns_path: PathBuf,
 }
 
-/// A failed start or patch hook: 502 with the custom-extension.md §7.5 message; a disabled extension: 400.
-pub(crate) fn hook_error(e: HookError) -> OrchError {
-    match e {
-        HookError::Disabled => OrchError::BadRequest(e.to_string()),
-        HookError::Failed { .. } => OrchError::Upstream(e.to_string()),
-        HookError::Journal(_) => OrchError::Internal(e.to_string()),
-    }
-}
-
 fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
     StartContext {
         sandbox_id: id.to_string(),
@@ -240,7 +231,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                 Ok(c) => c,
                 Err(e) => {
                     launcher.net.release(slot);
-                    return Err(OrchError::Internal(e.to_string()));
+                    return Err(OrchError::vm("building the kernel command line", e));
                 }
             };
             let (instance, hook) = launcher.hooks.start_fresh(&context, base_cmdline.len());
@@ -302,7 +293,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             // attempt, then the slot; the reservation goes on return.
             launcher.hooks.stop(instance, failed_reason);
             launcher.net.release(slot);
-            return Err(hook_error(e));
+            return Err(e.into());
         }
     };
     let (ops, agent) = supervisor::start(

@@ -193,17 +193,13 @@ impl StateDisk {
 
     /// [`StateDisk::classify`] of a failure.
     pub fn classify_error(&self, op: DiskUse, e: OrchError) -> OrchError {
-        let says_full = says_disk_full(e.message());
-        let is_5xx = matches!(
-            e,
-            OrchError::Internal(_) | OrchError::Upstream(_) | OrchError::Unavailable(_)
-        );
+        let says_full = says_disk_full(&e.message());
+        let is_5xx = matches!(e.status(), 500 | 502 | 503);
         if !is_5xx {
             return e;
         }
         let free = self.space().map(|(_, free)| free);
-        let short = matches!(e, OrchError::Internal(_) | OrchError::Upstream(_))
-            && free.is_some_and(|f| f < op.needs());
+        let short = matches!(e.status(), 500 | 502) && free.is_some_and(|f| f < op.needs());
         if !says_full && !short {
             return e;
         }

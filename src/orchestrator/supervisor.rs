@@ -40,7 +40,7 @@ pub(crate) struct RunDir {
 impl RunDir {
     /// A new directory, removed on drop until [`RunDir::keep`].
     pub fn create(path: PathBuf) -> Result<RunDir, OrchError> {
-        crate::store::ensure_private_dir(&path).map_err(|e| OrchError::Internal(e.to_string()))?;
+        crate::store::ensure_private_dir(&path)?;
         Ok(RunDir {
             path,
             remove_on_drop: true,
@@ -429,10 +429,10 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
     } = plan;
     let launched = Instant::now();
     let mut instance = instance;
-    let fail = |slot: Slot, instance: Instance, e: &dyn std::fmt::Display| {
+    let fail = |slot: Slot, instance: Instance, e: OrchError| {
         launcher.hooks.stop(instance, StopReason::StartFailed);
         launcher.net.release(slot);
-        OrchError::Internal(e.to_string())
+        e
     };
     // A restore's hook outcome, which must be taken on every path (the instance it
     // brings is owed a stop).
@@ -461,7 +461,8 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         Ok(f) => f,
         Err(e) => {
             let _ = take_hook(&mut instance);
-            return Err(fail(slot, instance, &e));
+            let e = OrchError::Internal(format!("cannot open the slot's network namespace: {e}"));
+            return Err(fail(slot, instance, e));
         }
     };
     // The guest's volumes are served before it runs, so a restored guest's NFS mounts
@@ -473,7 +474,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             Ok(server) => Some(server),
             Err(e) => {
                 let _ = take_hook(&mut instance);
-                return Err(fail(slot, instance, &e));
+                return Err(fail(slot, instance, e.into()));
             }
         }
     };
@@ -543,20 +544,21 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         drop(nfs);
         launcher.hooks.stop(instance, failed_reason);
         launcher.net.release(slot);
-        return Err(super::start::hook_error(e));
+        return Err(e.into());
     }
     let mut vm = match spawned {
         Ok(vm) => vm,
         Err(e) => {
             drop(nfs);
-            return Err(fail(slot, instance, &e));
+            return Err(fail(slot, instance, OrchError::vm("starting QEMU", e)));
         }
     };
     if restored {
         if let Err(e) = vm.resume_vcpus() {
             vm.kill();
             drop(nfs);
-            return Err(fail(slot, instance, &e));
+            let e = OrchError::vm("starting the restored vCPUs", e);
+            return Err(fail(slot, instance, e));
         }
     }
     let running = Instant::now();
@@ -852,7 +854,7 @@ fn pause(
             }
         }
         Err(e) => {
-            let e = OrchError::Internal(format!("pause failed: {e}"));
+            let e = OrchError::vm("pause failed", e);
             if runtime.vm.exited().is_none() && runtime.vm.resume_vcpus().is_ok() {
                 let _ = std::fs::remove_dir_all(dir);
                 (Some(runtime), PauseOutcome::RanOn(e))
@@ -895,7 +897,7 @@ fn snapshot(
     if !run_on {
         return captured
             .map(|(record, _)| record)
-            .map_err(|e| PauseOutcome::Gone(OrchError::Internal(format!("capture failed: {e}"))));
+            .map_err(|e| PauseOutcome::Gone(OrchError::vm("capture failed", e)));
     }
     let resumed = runtime.vm.resume_vcpus();
     match (captured, resumed) {
@@ -918,13 +920,12 @@ fn snapshot(
         }
         (Err(e), Ok(())) => {
             let _ = std::fs::remove_dir_all(dir);
-            Err(PauseOutcome::RanOn(OrchError::Internal(format!(
-                "snapshot failed: {e}"
-            ))))
+            Err(PauseOutcome::RanOn(OrchError::vm("snapshot failed", e)))
         }
-        (_, Err(e)) => Err(PauseOutcome::Stopped(OrchError::Internal(format!(
-            "the VM could not run on after a capture: {e}"
-        )))),
+        (_, Err(e)) => Err(PauseOutcome::Stopped(OrchError::vm(
+            "the VM could not run on after a capture",
+            e,
+        ))),
     }
 }
 

@@ -342,11 +342,11 @@ impl Builds {
 }
 
 fn save(dir: &std::path::Path, b: &TemplateBuild) -> Result<(), OrchError> {
-    crate::store::ensure_private_dir(dir).map_err(|e| OrchError::Internal(e.to_string()))?;
-    let bytes = serde_json::to_vec_pretty(b)
-        .map_err(|e| OrchError::Internal(format!("cannot encode build record: {e}")))?;
-    crate::store::write_atomic(&dir.join(format!("{}.json", b.id)), &bytes, 0o600)
-        .map_err(|e| OrchError::Internal(e.to_string()))
+    crate::store::ensure_private_dir(dir)?;
+    Ok(crate::store::write_json(
+        &dir.join(format!("{}.json", b.id)),
+        b,
+    )?)
 }
 
 /// The E2B SDKs' default template.
@@ -785,8 +785,7 @@ fn build(
     // device state, and every sandbox created from the template maps the RAM file
     // copy-on-write instead of loading it (the fast path of create-from-template).
     let template_dir = shared.snapshots.dir(template_id);
-    crate::store::ensure_private_dir(&template_dir)
-        .map_err(|e| OrchError::Internal(e.to_string()))?;
+    crate::store::ensure_private_dir(&template_dir).map_err(OrchError::from)?;
     let spec = req.catalog.as_ref().and_then(|c| c.spec.as_ref());
     let plan = spec.map(|spec| {
         let base = format!(
@@ -805,7 +804,7 @@ fn build(
     let cached_disk = match plan.as_ref().filter(|p| p.hit > 0) {
         Some(p) => Some(
             crate::vm::create_clone_disk(&p.layers, run_dir.path())
-                .map_err(|e| OrchError::Internal(e.to_string()))?,
+                .map_err(|e| OrchError::vm("cloning the cached step's disk", e))?,
         ),
         None => None,
     };

@@ -14,6 +14,11 @@ pub enum StoreError {
         source: std::io::Error,
     },
     Sys(sys::SysError),
+    /// A record could not be encoded as JSON (a bug, not the host's fault).
+    Encode {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
 }
 
 impl fmt::Display for StoreError {
@@ -25,6 +30,9 @@ impl fmt::Display for StoreError {
                 path.display()
             ),
             StoreError::Sys(e) => write!(f, "{e}"),
+            StoreError::Encode { path, source } => {
+                write!(f, "cannot encode the record {}: {source}", path.display())
+            }
         }
     }
 }
@@ -55,6 +63,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), StoreErr
         return Err(io(e));
     }
     sys::fs::fsync_dir(dir).map_err(StoreError::Sys)
+}
+
+/// Writes `value` as pretty JSON to `path` ([`write_atomic`], mode 0600).
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<(), StoreError> {
+    let bytes = serde_json::to_vec_pretty(value).map_err(|source| StoreError::Encode {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    write_atomic(path, &bytes, 0o600)
 }
 
 /// The temp name used next to `path` while it is being written.
