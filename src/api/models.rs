@@ -51,7 +51,7 @@ pub fn listed_sandbox(info: &SandboxInfo, envd_version: &str) -> Value {
         "memoryMB": info.settings.resources.memory_mb,
         "diskSizeMB": info.settings.resources.disk_size_mb,
         "metadata": info.settings.metadata,
-        "state": info.state.api_state().unwrap_or("running"),
+        "state": info.state().api_state().unwrap_or("running"),
         "networkNamespacePath": info.netns_path.display().to_string(),
     });
     merge(&mut v, extra);
@@ -85,7 +85,7 @@ pub fn sandbox_detail(info: &SandboxInfo, envd_version: &str) -> Value {
         .map(|m| json!({"name": m.name, "path": m.path}))
         .collect::<Vec<_>>());
     // Once a pause has finished: what it kept (E2B's `pauseMode`).
-    if let (SandboxState::Paused, Some(mode)) = (info.state, info.pause_mode) {
+    if let (SandboxState::Paused, Some(mode)) = (info.state(), info.pause_mode) {
         v["pauseMode"] = json!(mode.name());
     }
     v

@@ -700,7 +700,7 @@ fn list_running(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
         .orchestrator
         .list()
         .iter()
-        .filter(|i| i.state.api_state() == Some("running") && metadata_matches(i, &filter))
+        .filter(|i| i.state().api_state() == Some("running") && metadata_matches(i, &filter))
         .map(|i| models::listed_sandbox(i, envd(ctx)))
         .collect();
     Ok(Reply::json(200, Value::Array(items)))
@@ -782,7 +782,7 @@ impl ListQuery {
     }
 
     fn matches(&self, i: &SandboxInfo) -> bool {
-        i.state
+        i.state()
             .api_state()
             .is_some_and(|s| self.states.iter().any(|w| w == s))
             && metadata_matches(i, &self.metadata)

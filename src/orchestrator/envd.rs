@@ -105,10 +105,10 @@ pub(crate) fn route(registry: &Registry, id: &str) -> EnvdRoute {
 }
 
 fn route_of(entry: &SandboxEntry) -> EnvdRoute {
-    let info = entry.info.lock().clone();
+    let info = entry.info();
     let instance = entry.runtime.lock().as_ref().map(|rt| rt.instance);
     let serving = matches!(
-        info.state,
+        info.state(),
         SandboxState::Running | SandboxState::Snapshotting | SandboxState::Forking
     );
     let Some(instance) = instance.filter(|_| serving) else {

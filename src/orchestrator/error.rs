@@ -35,6 +35,11 @@ pub enum OrchError {
     Store(Arc<StoreError>),
     /// The custom extension: disabled 400, a failed hook 502, its journal 500.
     Hook(HookError),
+    /// A state change the state machine does not allow (409).
+    InvalidTransition {
+        from: super::SandboxState,
+        to: super::SandboxState,
+    },
 }
 
 impl OrchError {
@@ -43,7 +48,7 @@ impl OrchError {
         match self {
             OrchError::NotFound(_) => 404,
             OrchError::BadRequest(_) => 400,
-            OrchError::Conflict(_) => 409,
+            OrchError::Conflict(_) | OrchError::InvalidTransition { .. } => 409,
             OrchError::TooMany(_) => 429,
             OrchError::Upstream(_) => 502,
             OrchError::Unavailable(_) => 503,
@@ -93,6 +98,12 @@ impl fmt::Display for OrchError {
             OrchError::Vm { during, source } => write!(f, "{during}: {source}"),
             OrchError::Store(e) => write!(f, "{e}"),
             OrchError::Hook(e) => write!(f, "{e}"),
+            OrchError::InvalidTransition { from, to } => write!(
+                f,
+                "a {} sandbox cannot become {}; retry once its current operation ended",
+                from.name(),
+                to.name()
+            ),
         }
     }
 }

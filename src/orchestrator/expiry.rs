@@ -133,8 +133,8 @@ fn expired(registry: &Registry, now: SystemTime) -> Vec<(String, Option<PauseReq
         .entries()
         .iter()
         .filter_map(|e| {
-            let info = e.info.lock();
-            (info.state == SandboxState::Running && info.end_at <= now).then(|| {
+            let info = e.info();
+            (info.state() == SandboxState::Running && info.end_at <= now).then(|| {
                 let s = &info.settings;
                 let request = s.auto_pause.then_some(PauseRequest {
                     mode: PauseMode::with_memory(s.auto_pause_memory),

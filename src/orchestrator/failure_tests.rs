@@ -335,7 +335,7 @@ fn only_cold_boots_are_told_their_boot_is_over_and_a_failure_there_is_no_failed_
     });
     let entry = rig.running("sb-3");
     assert_eq!(rig.vms.boots_finished.load(Ordering::SeqCst), 2);
-    assert_eq!(entry.info.lock().state, SandboxState::Running);
+    assert_eq!(entry.state(), SandboxState::Running);
     for id in ["sb-1", "sb-3"] {
         delete(&rig.registry, id, StopReason::Delete).unwrap();
     }
@@ -388,7 +388,7 @@ fn a_filesystem_only_pause_keeps_the_disk_and_no_memory_and_says_so_in_its_recor
     operations::pause(&rig.registry, "sb-1", StopReason::Pause, request).unwrap();
     assert_eq!(entry.state(), SandboxState::Paused);
     assert!(entry.paused_filesystem_only());
-    assert_eq!(entry.info.lock().pause_mode, Some(PauseMode::Filesystem));
+    assert_eq!(entry.read(|i| i.pause_mode), Some(PauseMode::Filesystem));
     let dir = rig.registry.dir("sb-1");
     let record = super::records::read(&dir).unwrap();
     let capture = record.paused.expect("a committed capture");
@@ -552,7 +552,7 @@ fn a_pause_that_keeps_failing_is_retried_with_backoff_not_every_check() {
         ..Script::default()
     });
     let entry = rig.running("sb-1");
-    entry.info.lock().end_at = SystemTime::now();
+    entry.update(|i| i.end_at = SystemTime::now());
     let backoff = Arc::new(Mutex::new(expiry::Backoff::default()));
     let t0 = SystemTime::now();
     // One check a second for four seconds, as the expiry thread makes them.
@@ -588,9 +588,9 @@ fn a_guest_that_breaks_the_agent_protocol_gets_its_sandbox_marked_and_others_run
     rig.script(Script::default());
     let good = rig.running("sb-good");
     eventually("the sandbox is marked", || {
-        bad.info.lock().guest_protocol_violation.is_some()
+        bad.read(|i| i.guest_protocol_violation.is_some())
     });
-    let mark = bad.info.lock().guest_protocol_violation.clone().unwrap();
+    let mark = bad.read(|i| i.guest_protocol_violation.clone()).unwrap();
     assert!(mark.contains("broke the agent protocol"), "{mark}");
     // The sandbox itself stays (running, deletable); its agent channel is closed.
     assert_eq!(bad.state(), SandboxState::Running);
@@ -599,7 +599,7 @@ fn a_guest_that_breaks_the_agent_protocol_gets_its_sandbox_marked_and_others_run
     // The other sandbox is untouched.
     let other = good.runtime.lock().as_ref().unwrap().agent.clone();
     other.ping(Duration::from_secs(5)).unwrap();
-    assert!(good.info.lock().guest_protocol_violation.is_none());
+    assert!(good.read(|i| i.guest_protocol_violation.is_none()));
     delete(&rig.registry, "sb-bad", StopReason::Delete).unwrap();
     delete(&rig.registry, "sb-good", StopReason::Delete).unwrap();
     rig.assert_nothing_held();

@@ -31,14 +31,13 @@ pub(crate) fn settings() -> SandboxSettings {
 
 /// The description of sandbox `id` in `state`.
 pub(crate) fn info(id: &str, state: SandboxState) -> SandboxInfo {
-    let mut info = SandboxInfo::new(
+    SandboxInfo::new(
         id.into(),
         settings(),
         std::net::Ipv4Addr::LOCALHOST,
         "/x".into(),
-    );
-    info.state = state;
-    info
+    )
+    .in_state(state)
 }
 
 /// A capture record whose files do not exist.

@@ -146,7 +146,7 @@ pub(crate) fn spawn(registry: Weak<Registry>, interval: Duration, agent_port: u1
             sample_entry(&entry, agent_port);
             // The console's new lines go to the sandbox's log while it runs.
             if entry.guest_agent_addr(agent_port).is_some() {
-                let id = entry.info.lock().id.clone();
+                let id = entry.id();
                 entry
                     .log
                     .read_console(&registry.dir(&id).join("console.log"));
@@ -194,7 +194,7 @@ pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxE
     let latest: Vec<(String, GuestSample)> = entries
         .iter()
         .filter(|e| e.runtime.lock().is_some())
-        .filter_map(|e| Some((e.info.lock().id.clone(), e.metrics.latest()?)))
+        .filter_map(|e| Some((e.id(), e.metrics.latest()?)))
         .collect();
     for (name, help, value) in [
         (

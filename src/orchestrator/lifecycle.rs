@@ -155,7 +155,7 @@ mod tests {
             )
         });
         std::thread::sleep(Duration::from_millis(50));
-        e.set_state(SandboxState::Paused);
+        e.set_state(SandboxState::Paused).unwrap();
         drop(guard);
         assert!(
             t.join().unwrap(),

@@ -276,7 +276,7 @@ impl Orchestrator {
     /// The memory size of sandbox `id` (what its pause or snapshot writes at most).
     fn memory_of(&self, id: &str) -> u32 {
         self.entry(id)
-            .map(|e| e.info.lock().settings.resources.memory_mb)
+            .map(|e| e.read(|i| i.settings.resources.memory_mb))
             .unwrap_or(0)
     }
 
@@ -322,7 +322,7 @@ impl Orchestrator {
     /// A visible sandbox's description.
     pub fn get(&self, id: &str) -> Result<SandboxInfo, OrchError> {
         let entry = self.entry(id)?;
-        let info = entry.info.lock().clone();
+        let info = entry.info();
         Ok(info)
     }
 
@@ -340,8 +340,8 @@ impl Orchestrator {
             .registry
             .entries()
             .iter()
-            .map(|e| e.info.lock().clone())
-            .filter(|i| i.state.api_state().is_some())
+            .map(|e| e.info())
+            .filter(|i| i.state().api_state().is_some())
             .collect()
     }
 
@@ -391,7 +391,7 @@ impl Orchestrator {
         self.refuse_when_shutting_down()?;
         let entry = self.entry(id)?;
         let _held = admit(&entry, id, Call::Network)?;
-        if allow_internet == Some(true) && !entry.info.lock().settings.internet_access {
+        if allow_internet == Some(true) && !entry.read(|i| i.settings.internet_access) {
             return Err(OrchError::BadRequest(format!(
                 "sandbox {id} was created without internet access (allowInternetAccess: false, \
                  or [network] outbound is off); create a new sandbox to get it"
@@ -411,9 +411,10 @@ impl Orchestrator {
             applied.map_err(|e| OrchError::Internal(format!("applying the egress policy: {e}")))?;
         }
         let info = {
-            let mut info = entry.info.lock();
-            info.settings.network = policy;
-            info.clone()
+            entry.update(|info| {
+                info.settings.network = policy;
+                info.clone()
+            })
         };
         let record = records::SandboxRecord {
             info,
@@ -884,9 +885,10 @@ impl Orchestrator {
         // Stored durably before the answer (custom-extension.md §10.3).
         let result = result.map_err(OrchError::from).and_then(|params| {
             let info = {
-                let mut info = entry.info.lock();
-                info.settings.custom_extension_params = params.clone();
-                info.clone()
+                entry.update(|info| {
+                    info.settings.custom_extension_params = params.clone();
+                    info.clone()
+                })
             };
             operations::save_running(&self.shared.registry.dir(id), &info)?;
             Ok(params)
@@ -912,7 +914,7 @@ impl Orchestrator {
         call: Call,
     ) -> Result<Arc<AgentClient>, OrchError> {
         admit(entry, id, call)?;
-        if let Some(pause) = &entry.info.lock().paused_on_io_error {
+        if let Some(pause) = entry.read(|i| i.paused_on_io_error.clone()) {
             return Err(OrchError::InsufficientStorage(pause.message.clone()));
         }
         entry
@@ -929,10 +931,8 @@ impl Orchestrator {
         let agent = self.agent_for(&entry, id, Call::Commands)?;
         let limit = self.shared.config.agent.max_concurrent_commands;
         let _permit = CommandPermit::take(&entry, limit)?;
-        let env = {
-            let info = entry.info.lock();
-            merged_env(&info.settings.image_env, &info.settings.env_vars, &req.env)
-        };
+        let env = entry
+            .read(|info| merged_env(&info.settings.image_env, &info.settings.env_vars, &req.env));
         let exec = ExecRequest {
             cmd: req.cmd,
             args: req.args,
@@ -1041,7 +1041,7 @@ impl Orchestrator {
         let count = |s: &str| {
             listed
                 .iter()
-                .filter(|i| i.state.api_state() == Some(s))
+                .filter(|i| i.state().api_state() == Some(s))
                 .count()
         };
         metrics::render_state_gauge(
@@ -1136,7 +1136,7 @@ pub(crate) fn delete(registry: &Registry, id: &str, reason: StopReason) -> Resul
         return Err(OrchError::sandbox_not_found(id));
     };
     registry.unregister(id);
-    entry.set_state(SandboxState::Deleting);
+    entry.set_state(SandboxState::Deleting)?;
     // No patch-params may follow the instance's stop (custom-extension.md §6.4).
     entry.wait_patches();
     let runtime = entry.runtime.lock().take();
@@ -1193,11 +1193,12 @@ fn is_empty_params(v: &serde_json::Value) -> bool {
 
 /// Sets `endAt` to now + `secs`; without `shorten` only a later expiry is taken.
 pub(crate) fn extend_expiry(entry: &SandboxEntry, secs: u64, shorten: bool) {
-    let mut info = entry.info.lock();
     let new_end = SystemTime::now() + Duration::from_secs(secs);
-    if shorten || new_end > info.end_at {
-        info.end_at = new_end;
-    }
+    entry.update(|info| {
+        if shorten || new_end > info.end_at {
+            info.end_at = new_end;
+        }
+    });
 }
 
 /// Image env, then sandbox env, then request env; later wins. PATH defaults.
@@ -1260,10 +1261,21 @@ mod tests {
     #[test]
     fn state_transitions() {
         use SandboxState::*;
-        assert!(Creating.can_become(Running));
-        assert!(Running.can_become(Deleting));
-        assert!(!Deleting.can_become(Running));
-        assert!(!Deleting.can_become(Deleting));
+        assert!(Creating.valid_transition(Running).is_ok());
+        assert!(Running.valid_transition(Deleting).is_ok());
+        assert!(
+            Deleting.valid_transition(Deleting).is_ok(),
+            "a move to itself is no move"
+        );
+        let refused = Deleting.valid_transition(Running).unwrap_err();
+        assert_eq!(refused.status(), 409);
+        assert!(refused
+            .message()
+            .contains("deleting sandbox cannot become running"));
+        assert!(
+            Paused.valid_transition(Running).is_err(),
+            "a resume passes resuming"
+        );
         assert_eq!(Running.api_state(), Some("running"));
         assert_eq!(Creating.api_state(), None);
     }

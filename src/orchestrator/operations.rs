@@ -74,14 +74,14 @@ impl Watch for Registered {
         let Some(entry) = self.registry.upgrade().and_then(|r| r.entry(&self.id).ok()) else {
             return;
         };
-        entry.info.lock().guest_protocol_violation = Some(reason.to_string());
+        entry.update(|i| i.guest_protocol_violation = Some(reason.to_string()));
     }
 
     fn io_error_paused(&self, pause: Option<&super::sandbox::IoErrorPause>) {
         let Some(entry) = self.registry.upgrade().and_then(|r| r.entry(&self.id).ok()) else {
             return;
         };
-        entry.info.lock().paused_on_io_error = pause.cloned();
+        entry.update(|i| i.paused_on_io_error = pause.cloned());
     }
 }
 
@@ -196,15 +196,15 @@ pub(crate) fn pause(
         return Ok(());
     };
     let started = Instant::now();
-    entry.set_state(SandboxState::Pausing);
+    entry.set_state(SandboxState::Pausing)?;
     entry.wait_patches();
     let Some(runtime) = entry.runtime.lock().clone() else {
-        entry.set_state(SandboxState::Running);
+        entry.set_state(SandboxState::Running)?;
         return Err(OrchError::Internal(format!("sandbox {id} has no VM")));
     };
     let sandbox_dir = registry.dir(id);
-    let mut paused_info = entry.info.lock().clone();
-    paused_info.state = SandboxState::Paused;
+    let mut paused_info = entry.info();
+    paused_info.transition(SandboxState::Paused)?;
     paused_info.pause_mode = Some(request.mode);
     let record_dir = sandbox_dir.clone();
     let commit: supervisor::PauseCommit = Box::new(move |capture: &CaptureRecord| {
@@ -235,8 +235,8 @@ pub(crate) fn pause(
             let capture = records_capture(&sandbox_dir);
             *entry.runtime.lock() = None;
             *entry.paused.lock() = capture;
-            entry.info.lock().pause_mode = Some(request.mode);
-            entry.set_state(SandboxState::Paused);
+            entry.update(|i| i.pause_mode = Some(request.mode));
+            entry.set_state(SandboxState::Paused)?;
             log::info!(
                 "sandboxId={id} op=pause result=ok reason={reason} mode={} ms={}",
                 request.mode.name(),
@@ -249,8 +249,8 @@ pub(crate) fn pause(
             // under a record that still says running and quarantines it.
             *entry.runtime.lock() = None;
             *entry.paused.lock() = Some(*capture);
-            entry.info.lock().pause_mode = Some(request.mode);
-            entry.set_state(SandboxState::Paused);
+            entry.update(|i| i.pause_mode = Some(request.mode));
+            entry.set_state(SandboxState::Paused)?;
             log::error!(
                 "sandboxId={id} op=pause result=paused_uncommitted reason={reason} error=\"{e}\""
             );
@@ -260,12 +260,12 @@ pub(crate) fn pause(
             )))
         }
         PauseOutcome::RanOn(e) => {
-            entry.set_state(SandboxState::Running);
+            entry.set_state(SandboxState::Running)?;
             Err(e)
         }
         PauseOutcome::Gone(e) => {
             registry.unregister(id);
-            entry.set_state(SandboxState::Deleting);
+            entry.set_state(SandboxState::Deleting)?;
             let _ = std::fs::remove_dir_all(&sandbox_dir);
             log::error!("sandboxId={id} op=pause result=removed error=\"{e}\"");
             Err(e)
@@ -288,7 +288,9 @@ fn remove_stopped(
     e: OrchError,
 ) -> OrchError {
     registry.unregister(id);
-    entry.set_state(SandboxState::Deleting);
+    if let Err(t) = entry.set_state(SandboxState::Deleting) {
+        log::error!("sandboxId={id} op={op} error=\"{t}\"");
+    }
     let dir = registry.dir(id);
     let why = format!("{op} failed and the VM could not run on: {e}");
     let kept = crate::store::quarantine(records::state_dir_of(&dir), &dir, &why);
@@ -324,7 +326,7 @@ pub(crate) fn resume(
     let _guard = match admit(&entry, id, call)? {
         Admitted::AlreadyDone(_) => {
             super::extend_expiry(&entry, secs, !is_connect);
-            let info = entry.info.lock().clone();
+            let info = entry.info();
             return Ok(Connected {
                 info,
                 resumed: false,
@@ -333,18 +335,26 @@ pub(crate) fn resume(
         Admitted::Proceed(guard) => guard,
     };
     let started = Instant::now();
-    entry.set_state(SandboxState::Resuming);
+    entry.set_state(SandboxState::Resuming)?;
     let result = restore_paused(registry, launcher, &entry, id, from);
     match result {
         Ok((runtime, slot_facts)) => {
-            let info = {
-                let mut info = entry.info.lock();
-                info.state = SandboxState::Running;
+            let moved = entry.update(|info| {
+                info.transition(SandboxState::Running)?;
                 info.pause_mode = None;
                 info.host_ip = slot_facts.0;
                 info.netns_path = slot_facts.1;
                 info.end_at = SystemTime::now() + Duration::from_secs(secs);
-                info.clone()
+                Ok::<_, OrchError>(info.clone())
+            });
+            let info = match moved {
+                Ok(info) => info,
+                Err(e) => {
+                    // Still paused: the capture is untouched, the new VM goes.
+                    runtime.delete(StopReason::StartFailed);
+                    entry.set_state(SandboxState::Paused)?;
+                    return Err(e);
+                }
             };
             let dir = registry.dir(id);
             *entry.runtime.lock() = Some(runtime);
@@ -370,7 +380,7 @@ pub(crate) fn resume(
             })
         }
         Err(e) => {
-            entry.set_state(SandboxState::Paused);
+            entry.set_state(SandboxState::Paused)?;
             Err(e)
         }
     }
@@ -398,7 +408,7 @@ fn restore_paused(
         capture.filesystem_only = true;
     }
     let (params, internet_access, egress, resources, volumes) = {
-        let info = entry.info.lock();
+        let info = entry.info();
         (
             info.settings.custom_extension_params.clone(),
             info.settings.internet_access,
@@ -461,17 +471,17 @@ pub(crate) fn snapshot(
     };
     let snapshot_id = crate::util::new_id();
     let _name_claim = snapshots.claim_name(name.as_deref(), &snapshot_id)?;
-    entry.set_state(SandboxState::Snapshotting);
+    entry.set_state(SandboxState::Snapshotting)?;
     entry.wait_patches();
     let result = capture_running(registry, snapshots, &entry, id, &snapshot_id);
     let result = result.and_then(|capture| {
-        let info = entry.info.lock().clone();
+        let info = entry.info();
         let record = SnapshotRecord::new(snapshot_id.clone(), name.clone(), &info, capture);
         snapshots.insert(record.clone())?;
         Ok(record)
     });
     if entry.state() == SandboxState::Snapshotting {
-        entry.set_state(SandboxState::Running);
+        entry.set_state(SandboxState::Running)?;
     }
     result
 }
@@ -589,15 +599,15 @@ pub(crate) fn fork(
     let Admitted::Proceed(_guard) = admit(&entry, id, Call::Fork)? else {
         return Err(OrchError::Conflict(format!("sandbox {id} is not running")));
     };
-    entry.set_state(SandboxState::Forking);
+    entry.set_state(SandboxState::Forking)?;
     entry.wait_patches();
     let checkpoint_id = format!("fork-{}", crate::util::new_id());
     let captured = capture_running(registry, snapshots, &entry, id, &checkpoint_id);
     if entry.state() == SandboxState::Forking {
-        entry.set_state(SandboxState::Running);
+        entry.set_state(SandboxState::Running)?;
     }
     let capture = captured?;
-    let parent = entry.info.lock().settings.clone();
+    let parent = entry.read(|i| i.settings.clone());
     let children = (0..count)
         .map(|_| {
             let settings = SandboxSettings {

@@ -110,7 +110,7 @@ pub(crate) fn load_all(sandboxes_dir: &Path) -> Loaded {
         }
         let why = match read(&dir) {
             Ok(record)
-                if record.info.state != SandboxState::Paused
+                if record.info.state() != SandboxState::Paused
                     && dir
                         .join(PAUSED_DIR)
                         .join(crate::vm::capture::STATE_FILE)
@@ -119,14 +119,14 @@ pub(crate) fn load_all(sandboxes_dir: &Path) -> Loaded {
                 format!(
                     "it was {} in its record, but holds a capture whose pause was never \
                      committed",
-                    record.info.state.name()
+                    record.info.state().name()
                 )
             }
-            Ok(record) if record.info.state != SandboxState::Paused => {
+            Ok(record) if record.info.state() != SandboxState::Paused => {
                 log::error!(
                     "sandboxId={} op=recover result=lost reason=\"it was {} when the server stopped; its memory is gone\"",
                     record.info.id,
-                    record.info.state.name()
+                    record.info.state().name()
                 );
                 loaded.stale.push(dir);
                 continue;

@@ -50,7 +50,7 @@ impl Registry {
 
     /// Makes a sandbox known (its record is stored already).
     pub fn insert(&self, entry: Arc<SandboxEntry>) {
-        let id = entry.info.lock().id.clone();
+        let id = entry.id();
         self.sandboxes.write().insert(id, entry);
     }
 
@@ -69,8 +69,9 @@ impl Registry {
         self.deaths.remember(id, death.to_string());
         if let Some(entry) = self.unregister(id) {
             entry.runtime.lock().take();
-            let mut info = entry.info.lock();
-            info.state = SandboxState::Deleting;
+            if let Err(e) = entry.set_state(SandboxState::Deleting) {
+                log::error!("sandboxId={id} op=forget_dead error=\"{e}\"");
+            }
         }
     }
 
@@ -78,7 +79,7 @@ impl Registry {
     pub fn unregister(&self, id: &str) -> Option<Arc<SandboxEntry>> {
         let entry = self.sandboxes.write().remove(id);
         if let Some(entry) = &entry {
-            self.gone.remember(id, Access::of(&entry.info.lock()));
+            self.gone.remember(id, Access::of(&entry.info()));
         }
         entry
     }

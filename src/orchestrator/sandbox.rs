@@ -1,6 +1,7 @@
 //! What the orchestrator knows about one sandbox, and the explicit state machine.
 
 use super::settings::SandboxSettings;
+use super::OrchError;
 use crate::agent::AgentClient;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
@@ -25,8 +26,20 @@ pub enum SandboxState {
 }
 
 impl SandboxState {
-    /// The one place that decides which moves are legal.
-    pub fn can_become(self, next: SandboxState) -> bool {
+    /// The one place that decides which moves are legal; checked in every build (a
+    /// refused move is a race or a bug, answered as 409, never applied).
+    pub fn valid_transition(self, next: SandboxState) -> Result<(), OrchError> {
+        if self == next || self.can_become(next) {
+            Ok(())
+        } else {
+            Err(OrchError::InvalidTransition {
+                from: self,
+                to: next,
+            })
+        }
+    }
+
+    fn can_become(self, next: SandboxState) -> bool {
         use SandboxState::*;
         matches!(
             (self, next),
@@ -43,6 +56,7 @@ impl SandboxState {
                 | (Paused, Deleting)
                 | (Resuming, Running)
                 | (Resuming, Paused)
+                | (Resuming, Deleting)
                 | (Snapshotting, Running)
                 | (Snapshotting, Deleting)
                 | (Forking, Running)
@@ -147,7 +161,8 @@ pub struct SandboxInfo {
     pub settings: SandboxSettings,
     pub started_at: SystemTime,
     pub end_at: SystemTime,
-    pub state: SandboxState,
+    /// Changed only by [`SandboxInfo::transition`].
+    state: SandboxState,
     pub host_ip: Ipv4Addr,
     pub netns_path: PathBuf,
     /// The secret an envd request must carry in `X-Access-Token` (E2B's
@@ -183,6 +198,24 @@ pub struct IoErrorPause {
 }
 
 impl SandboxInfo {
+    pub fn state(&self) -> SandboxState {
+        self.state
+    }
+
+    /// Moves to `next` if [`SandboxState::valid_transition`] allows it.
+    pub fn transition(&mut self, next: SandboxState) -> Result<(), OrchError> {
+        self.state.valid_transition(next)?;
+        self.state = next;
+        Ok(())
+    }
+
+    /// A description in any state, for unit tests that start from it.
+    #[cfg(test)]
+    pub(crate) fn in_state(mut self, state: SandboxState) -> SandboxInfo {
+        self.state = state;
+        self
+    }
+
     /// The description of a sandbox that just became ready; its TTL starts now.
     pub fn new(
         id: String,
@@ -284,7 +317,9 @@ impl RuntimeHandle {
 
 /// One registered sandbox.
 pub struct SandboxEntry {
-    pub info: Mutex<SandboxInfo>,
+    /// Read with [`SandboxEntry::info`]/[`SandboxEntry::read`], changed with
+    /// [`SandboxEntry::update`] and [`SandboxEntry::set_state`].
+    info: Mutex<SandboxInfo>,
     /// Held for the whole of a lifecycle operation (api.md §2.2): operations on one
     /// sandbox are serialised, other sandboxes and reads never wait for it.
     pub lifecycle: Mutex<()>,
@@ -372,14 +407,29 @@ impl SandboxEntry {
         self.info.lock().state
     }
 
-    /// Moves to `next`; the caller holds the lifecycle lock and checked the move.
-    pub fn set_state(&self, next: SandboxState) {
-        let mut info = self.info.lock();
-        debug_assert!(
-            info.state == next || info.state.can_become(next),
-            "{:?} -> {next:?}",
-            info.state
-        );
-        info.state = next;
+    /// Moves to `next` if the state machine allows it; the caller holds the lifecycle
+    /// lock.
+    pub fn set_state(&self, next: SandboxState) -> Result<(), OrchError> {
+        self.info.lock().transition(next)
+    }
+
+    /// A copy of the description.
+    pub fn info(&self) -> SandboxInfo {
+        self.info.lock().clone()
+    }
+
+    pub fn id(&self) -> String {
+        self.info.lock().id.clone()
+    }
+
+    /// `f` of the description, under its lock (no hook call or VM operation inside).
+    pub fn read<R>(&self, f: impl FnOnce(&SandboxInfo) -> R) -> R {
+        f(&self.info.lock())
+    }
+
+    /// Changes the description under its lock; its state moves only by
+    /// [`SandboxInfo::transition`].
+    pub fn update<R>(&self, f: impl FnOnce(&mut SandboxInfo) -> R) -> R {
+        f(&mut self.info.lock())
     }
 }

@@ -68,12 +68,12 @@ pub(crate) fn route_waking(
 /// Whether traffic should wake `entry`: paused (or on its way there) with `autoResume`.
 /// A sandbox paused filesystem-only never wakes on traffic (it would cold-boot): 409.
 fn wants_wake(entry: &SandboxEntry) -> Result<bool, OrchError> {
-    let info = entry.info.lock();
+    let info = entry.info();
     if !info.settings.auto_resume {
         return Ok(false);
     }
     let sleeping = matches!(
-        info.state,
+        info.state(),
         SandboxState::Paused | SandboxState::Pausing | SandboxState::Resuming
     );
     if sleeping && entry.paused_filesystem_only() {
@@ -102,7 +102,7 @@ fn start_wake(
     let spawned = std::thread::Builder::new()
         .name("wake".into())
         .spawn(move || {
-            let secs = entry2.info.lock().settings.timeout_secs;
+            let secs = entry2.read(|i| i.settings.timeout_secs);
             let result = super::operations::resume(
                 &registry,
                 &launcher,
