@@ -18,7 +18,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-fn have_registry() {
+fn require_registry() {
     assert!(
         Path::new("/usr/bin/docker-registry").is_file(),
         "docker-registry is not installed: run scripts/setup.sh"
@@ -200,7 +200,7 @@ fn expect_bad_image(s: &Server, image: &str, needles: &[&str]) {
 
 #[test]
 fn hostile_images_get_a_400_naming_the_entry_and_touch_nothing_outside_their_root() {
-    have_registry();
+    require_registry();
     let _serial = serial();
     let s = Server::start("");
     let scratch = s.state_dir.parent().unwrap().join("images-src");

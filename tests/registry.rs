@@ -449,7 +449,7 @@ fn run_ms(cmd: &mut Command) -> u64 {
 /// unpack, mkfs) and cache hit, beside `skopeo copy` + `tar -x` + `mkfs.ext4 -d` of the
 /// same image. Run by scripts/bench-images (`AENV_BENCH_RUNS`, default 5).
 #[test]
-#[ignore]
+#[ignore = "benchmark: run by scripts/bench-images"]
 fn bench_images() {
     require_registry();
     assert!(
