@@ -14,7 +14,7 @@
 //! (delete, pause, crash, failed start), whatever path ended it.
 
 use super::error::OrchError;
-use super::sides::HostMemory;
+use super::sides::HostFacts;
 use crate::config::AdmissionConfig;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -27,7 +27,7 @@ const SETTLE: Duration = Duration::from_secs(5);
 /// What running VMs hold now, and the bounds.
 pub(crate) struct Admission {
     limits: Limits,
-    headroom: Option<(Headroom, Arc<dyn HostMemory>)>,
+    headroom: Option<(Headroom, Arc<dyn HostFacts>)>,
     used: Mutex<Usage>,
 }
 
@@ -96,7 +96,7 @@ impl Admission {
     pub fn with_host(
         limits: Limits,
         headroom: Headroom,
-        host: Arc<dyn HostMemory>,
+        host: Arc<dyn HostFacts>,
     ) -> Arc<Admission> {
         Arc::new(Admission {
             limits,
@@ -253,13 +253,41 @@ mod tests {
         pressure_tenths: AtomicU64,
     }
 
-    impl HostMemory for FakeHost {
+    impl HostFacts for FakeHost {
+        fn online_cpus(&self) -> u32 {
+            4
+        }
+        fn total_memory_mb(&self) -> u64 {
+            8192
+        }
         fn available_mb(&self) -> Option<u64> {
             Some(self.available.load(Ordering::SeqCst))
         }
         fn pressure_pct(&self) -> Option<f64> {
             Some(self.pressure_tenths.load(Ordering::SeqCst) as f64 / 10.0)
         }
+    }
+
+    #[test]
+    fn the_vcpu_cap_and_host_limits_come_from_the_host_side() {
+        let host = FakeHost {
+            available: AtomicU64::new(8192),
+            pressure_tenths: AtomicU64::new(0),
+        };
+        let cfg = crate::config::AdmissionConfig {
+            max_memory_mb: 0,
+            reserved_memory_mb: 0,
+            max_vcpus: 0,
+            vcpu_overcommit: 2,
+            vm_startup_mb: 0,
+            max_memory_pressure_pct: 0.0,
+        };
+        let a = Admission::new(Limits::from_config(&cfg, host.online_cpus()));
+        let held = a.reserve(128, 8).unwrap();
+        assert!(a.reserve(128, 1).is_err(), "2 x 4 host CPUs are taken");
+        drop(held);
+        let limits = crate::orchestrator::HostLimits::of(&host);
+        assert_eq!((limits.cpus, limits.memory_mb), (4, 8192));
     }
 
     fn caps(memory_mb: Option<u64>, vcpus: Option<u64>) -> Limits {

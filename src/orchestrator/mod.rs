@@ -119,12 +119,23 @@ pub struct HostLimits {
     pub memory_mb: u64,
 }
 
+impl HostLimits {
+    pub(crate) fn of(host: &dyn sides::HostFacts) -> HostLimits {
+        HostLimits {
+            cpus: host.online_cpus(),
+            memory_mb: host.total_memory_mb(),
+        }
+    }
+}
+
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// What the orchestrator's operations share. Each operation takes only the parts it
 /// needs: the [`Registry`] for anything on an existing sandbox, the [`Launcher`] to start
 /// a VM, the snapshot store, the image store.
 pub(crate) struct Shared {
+    /// The host's CPUs and memory, behind the fakeable side.
+    pub host: Arc<dyn sides::HostFacts>,
     pub config: Config,
     pub registry: Arc<Registry>,
     pub launcher: Arc<Launcher>,
@@ -175,10 +186,11 @@ impl Orchestrator {
                 log::warn!("op=recover path={} error={e}", build_dirs.display());
             }
         }
+        let host: Arc<dyn sides::HostFacts> = Arc::new(sides::ProcHost);
         let admission = admission::Admission::with_host(
-            admission::Limits::from_config(&config.admission, crate::sys::fs::online_cpus()),
+            admission::Limits::from_config(&config.admission, host.online_cpus()),
             admission::Headroom::from_config(&config.admission),
-            Arc::new(sides::ProcMemory),
+            host.clone(),
         );
         let launcher = Launcher::new(
             &config,
@@ -211,6 +223,7 @@ impl Orchestrator {
         let disk = launcher.disk.clone();
         let volumes = crate::volume::VolumeStore::load(config.server.state_dir.join("volumes"));
         let shared = Arc::new(Shared {
+            host,
             volumes,
             disk,
             config,
@@ -235,10 +248,7 @@ impl Orchestrator {
 
     /// What one sandbox may ask for at most.
     pub fn host_limits(&self) -> HostLimits {
-        HostLimits {
-            cpus: crate::sys::fs::online_cpus(),
-            memory_mb: crate::sys::fs::total_memory_mb(),
-        }
+        HostLimits::of(self.shared.host.as_ref())
     }
 
     pub fn is_shutting_down(&self) -> bool {

@@ -1,6 +1,6 @@
 //! The orchestrator's view of the host, one trait per side: network slots
 //! ([`Network`]), the custom extension ([`Extension`]), the VMs ([`Machines`]) and the
-//! host's memory ([`HostMemory`]). The
+//! host's memory ([`HostFacts`]). The
 //! server hands in the real ones ([`SlotManager`], [`HookClient`], QEMU through
 //! [`QemuMachines`]); unit tests hand in fakes, so every failure path of the lifecycle runs
 //! in `cargo test --lib` without root (youki's fakeable `Syscall` is the model).
@@ -234,18 +234,27 @@ impl Machine for Vm {
     }
 }
 
-/// The host's memory as admission sees it ([`super::admission`]).
-pub(crate) trait HostMemory: Send + Sync {
+/// The host as admission and the limits a sandbox may ask for see it
+/// ([`super::admission`]); faked in unit tests.
+pub(crate) trait HostFacts: Send + Sync {
+    fn online_cpus(&self) -> u32;
+    fn total_memory_mb(&self) -> u64;
     /// What can be allocated without swapping (MiB); `None` when unknown.
     fn available_mb(&self) -> Option<u64>;
     /// The share (%) of the last 10 s some task stalled on memory; `None` without PSI.
     fn pressure_pct(&self) -> Option<f64>;
 }
 
-/// The real host: `/proc/meminfo` and `/proc/pressure/memory`.
-pub(crate) struct ProcMemory;
+/// The real host: its online CPUs, `/proc/meminfo` and `/proc/pressure/memory`.
+pub(crate) struct ProcHost;
 
-impl HostMemory for ProcMemory {
+impl HostFacts for ProcHost {
+    fn online_cpus(&self) -> u32 {
+        crate::sys::fs::online_cpus()
+    }
+    fn total_memory_mb(&self) -> u64 {
+        crate::sys::fs::total_memory_mb()
+    }
     fn available_mb(&self) -> Option<u64> {
         crate::sys::fs::available_memory_mb()
     }
