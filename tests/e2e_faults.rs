@@ -296,6 +296,11 @@ fn extension_toml(ext: &Extension) -> String {
 /// `disk_reserve_mb = reserve_mb`, and its extension. Drop the server before the
 /// filesystem.
 fn on_small_disk(reserve_mb: u64) -> (Extension, LoopFs, Server) {
+    on_small_disk_with(reserve_mb, "")
+}
+
+/// [`on_small_disk`] with more config (TOML tables).
+fn on_small_disk_with(reserve_mb: u64, extra_toml: &str) -> (Extension, LoopFs, Server) {
     let ext = Extension::start();
     let scratch = scratch_dir();
     let fs = LoopFs::new(&scratch.join("state"), 1536);
@@ -303,7 +308,7 @@ fn on_small_disk(reserve_mb: u64) -> (Extension, LoopFs, Server) {
         &scratch,
         &[],
         &format!("disk_reserve_mb = {reserve_mb}"),
-        &extension_toml(&ext),
+        &format!("{}{extra_toml}", extension_toml(&ext)),
     );
     s.spawn();
     (ext, fs, s)
@@ -708,4 +713,52 @@ fn a_template_build_whose_vm_dies_fails_naming_the_death() {
     s.stop();
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+}
+
+#[test]
+fn a_build_whose_vm_is_paused_on_a_full_disk_fails_at_once_with_507() {
+    let _serial = serial();
+    // The start command may run for an hour: the build must not wait for that.
+    let (ext, fs, mut s) = on_small_disk_with(64, "[templates]\nstart_cmd_timeout_secs = 3600\n");
+    // Above the reserve (the build is accepted), but its start command writes more than is
+    // free, bypassing the guest's page cache: QEMU pauses the build VM on the full disk.
+    let filler = fs.fill_about(160 << 20, 1);
+    let write = format!(
+        "yes {PATTERN_LINE} | head -c 402653184 | dd of=/root/big bs=1M iflag=fullblock \
+         oflag=direct"
+    );
+    let template = json!({"name": "fills", "image": base_image(), "memoryMB": 256,
+        "cpuCount": 1, "diskSizeMB": 1024, "startCmd": write});
+    let (code, v) = s.call("POST", "/templates", Some(template));
+    assert_eq!(code, 202, "{v}");
+    let failed = || s.call("GET", "/templates/fills", None).1["buildStatus"] == "error";
+    assert!(
+        wait_until(Duration::from_secs(240), failed),
+        "the build failed once its VM was paused\n{}",
+        s.log()
+    );
+    let (_, t) = s.call("GET", "/templates/fills", None);
+    let reason = t["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains(&format!("the state dir {} is full", s.state_dir.display()))
+            && reason.contains(" bytes")
+            && reason.contains("QEMU paused the build VM"),
+        "{t}"
+    );
+    assert!(s.log().contains("result=paused_on_io_error"), "{}", s.log());
+    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(1.0));
+    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    // Nothing of it is left: no VM, build dir or template files; one stop for its start.
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("template-builds")).is_empty());
+    let id = t["templateID"].as_str().unwrap();
+    assert!(!s.state_dir.join("snapshots").join(id).exists());
+    assert_eq!(ext.requests_for("start-fresh").len(), 1);
+    assert_eq!(ext.requests_for("stop").len(), 1, "one stop per start");
+    assert_eq!(s.call("DELETE", "/templates/fills", None).0, 204);
+    std::fs::remove_file(&filler).unwrap();
+    s.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    drop(s);
+    drop(fs);
 }

@@ -595,6 +595,12 @@ impl AgentClient {
 }
 
 impl AgentClient {
+    /// Closes the channel from the host side: calls in flight and later ones fail at once
+    /// (a build whose VM cannot go on stops waiting for its command).
+    pub fn close(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
     /// Has the guest write its filesystems' dirty data to disk, waiting up to `timeout`.
     pub fn sync(&self, timeout: Duration) -> Result<(), AgentError> {
         let call = Call::open(&self.shared, &Request::Sync)?;

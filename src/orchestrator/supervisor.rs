@@ -149,14 +149,19 @@ pub(crate) trait Watch: Send {
     fn death_grace(&self) -> Duration {
         Duration::ZERO
     }
+    /// Whether a pause on a full state disk ends what the VM was doing (its agent channel is
+    /// closed, so the call waiting on the guest fails at once rather than at its timeout).
+    fn stops_on_io_pause(&self) -> bool {
+        false
+    }
 }
 
 /// The watch of a VM nobody else knows of.
 pub(crate) struct Unwatched;
 
-/// The watch of a template build's VM: its death stops the build's steps (`stop`, the
-/// flag their waits watch) and is kept for the build's failure ([`BuildWatch::named`]);
-/// its run dir goes.
+/// The watch of a template build's VM: its death, or QEMU pausing it on a full state
+/// disk, stops the build's steps (`stop`, the flag their waits watch) and is kept for the
+/// build's failure ([`BuildWatch::named`]); its run dir goes.
 #[derive(Clone)]
 pub(crate) struct BuildWatch {
     death: Arc<parking_lot::Mutex<Option<String>>>,
@@ -171,8 +176,10 @@ impl BuildWatch {
         }
     }
 
-    /// `error`, or the death when the VM died on its own (what the build then saw is
-    /// its effect). Call it after the build VM's teardown (`RuntimeHandle::delete`).
+    /// `error`, or what ended the VM when it died on its own or was paused on a full disk
+    /// (what the build then saw is its effect; the full disk's message says "No space left
+    /// on device", so the build's failure becomes a 507). Call it after the build VM's
+    /// teardown (`RuntimeHandle::delete`).
     pub fn named(&self, error: OrchError) -> OrchError {
         match self.death.lock().as_ref() {
             Some(death) => OrchError::Internal(format!(
@@ -181,6 +188,11 @@ impl BuildWatch {
             None => error,
         }
     }
+
+    fn ended(&self, why: String) {
+        self.death.lock().get_or_insert(why);
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Watch for BuildWatch {
@@ -188,12 +200,23 @@ impl Watch for BuildWatch {
         "build"
     }
     fn vm_died(&self, exit: &vm::VmExit, _: &Path) -> Option<PathBuf> {
-        *self.death.lock() = Some(format!("the build VM died on its own ({exit})"));
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.ended(format!("the build VM died on its own ({exit})"));
         None
     }
     fn guest_violated(&self, _: &str) {}
-    fn io_error_paused(&self, _: Option<&IoErrorPause>) {}
+    /// A build cannot wait for space: it fails at once (507), not at its step's timeout.
+    fn io_error_paused(&self, pause: Option<&IoErrorPause>) {
+        if pause.is_some() {
+            self.ended(
+                "QEMU paused the build VM: a write to its disk failed (No space left on \
+                 device)"
+                    .into(),
+            );
+        }
+    }
+    fn stops_on_io_pause(&self) -> bool {
+        true
+    }
     /// A build's step fails the moment its VM's agent channel closes, which comes before
     /// the dead process can be reaped; the delete that follows waits for it briefly (once
     /// per build).
@@ -770,6 +793,11 @@ fn watch_disk(launcher: &Launcher, id: &str, runtime: &mut Runtime) {
             );
             runtime.watch.io_error_paused(Some(&pause));
             runtime.io_paused = true;
+            if runtime.watch.stops_on_io_pause() {
+                if let Some(agent) = runtime.agent.take() {
+                    agent.close();
+                }
+            }
         }
         (true, true) => match runtime.vm.resume_vcpus() {
             Ok(()) => log::info!("sandboxId={id} op=watch result=continued_after_io_error"),
