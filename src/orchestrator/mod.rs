@@ -293,7 +293,7 @@ impl Orchestrator {
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
     pub fn create_cold(&self, mut req: ColdStart) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        self.resolve_mounts(&mut req.request.volume_mounts)?;
+        let _claims = self.resolve_mounts(&mut req.request.volume_mounts)?;
         let mounts = req.request.volume_mounts.clone();
         let shared = &self.shared;
         let result = self
@@ -493,6 +493,7 @@ impl Orchestrator {
         let op = DiskUse::Snapshot {
             memory_mb: self.memory_of(id),
         };
+        let _claims = self.claim_sandbox_mounts(id)?;
         let result = self.on_state_disk(op, || {
             operations::snapshot(&shared.registry, &shared.snapshots, id, name)
         });
@@ -685,7 +686,7 @@ impl Orchestrator {
     /// `POST /sandboxes` (custom-extension.md §5.3): a new sandbox restored from a snapshot.
     pub fn create_from_snapshot(&self, mut req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         self.refuse_when_shutting_down()?;
-        self.resolve_mounts(&mut req.request.volume_mounts)?;
+        let _claims = self.resolve_mounts(&mut req.request.volume_mounts)?;
         let mounts = req.request.volume_mounts.clone();
         let result = self
             .on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req))
@@ -738,6 +739,10 @@ impl Orchestrator {
         let snap = self
             .snapshot_when_built(&key)?
             .ok_or_else(|| OrchError::BadRequest(format!("template {} not found", req.template)))?;
+        let _claims = self.claim_mounts(
+            &format!("snapshot {}", snap.id),
+            &snap.settings.volume_mounts,
+        )?;
         let resources = snap.settings.resources;
         for (field, asked, has) in [
             ("cpuCount", req.cpu_count, resources.cpu_count),
@@ -808,6 +813,7 @@ impl Orchestrator {
         timeout_secs: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
         self.refuse_when_shutting_down()?;
+        let _claims = self.claim_sandbox_mounts(id)?;
         let shared = &self.shared;
         let result = self.on_state_disk(DiskUse::Create, || {
             operations::fork(

@@ -5,7 +5,7 @@ use super::settings::VolumeMount;
 use super::{CommandRequest, OrchError, Orchestrator, SandboxInfo};
 use crate::config::VolumesConfig;
 use crate::volume::nfs::Export;
-use crate::volume::{Volume, VolumeRecord};
+use crate::volume::{Volume, VolumeClaim, VolumeRecord};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -65,18 +65,15 @@ impl Orchestrator {
             .ok_or_else(|| OrchError::NotFound(format!("volume {id} not found")))
     }
 
-    /// `DELETE /volumes/{id}`: 409 while a sandbox mounts it.
+    /// `DELETE /volumes/{id}`: 409 while a sandbox (any state) or a snapshot mounts it, or a
+    /// create, fork or snapshot that will is in progress (its [`VolumeClaim`]).
     pub fn delete_volume(&self, id: &str) -> Result<(), OrchError> {
         self.refuse_when_shutting_down()?;
-        let volume = self.volume(id)?;
-        let users = self.volume_users(&volume.record.name);
-        if !users.is_empty() {
-            return Err(OrchError::Conflict(format!(
-                "volume {id} is mounted by sandbox {}; delete or kill those sandboxes first",
-                users.join(", ")
-            )));
-        }
-        let result = self.shared.volumes.delete(id).map_err(OrchError::from);
+        let result = self
+            .shared
+            .volumes
+            .delete(id, |record| self.volume_users(record))
+            .map_err(OrchError::from);
         self.shared
             .operations
             .record("delete_volume", result.is_ok());
@@ -90,17 +87,52 @@ impl Orchestrator {
         }
     }
 
-    /// The sandboxes (any state) whose settings mount volume `name`.
-    fn volume_users(&self, name: &str) -> Vec<String> {
-        self.list()
+    /// Who mounts `volume`, as the 409 says it: the sandboxes (registered, any state) and
+    /// the snapshots (a sandbox made from one mounts it again) whose settings name it.
+    fn volume_users(&self, volume: &VolumeRecord) -> Option<String> {
+        let names = |m: &VolumeMount| m.volume_id == volume.id;
+        let sandboxes: Vec<String> = self
+            .shared
+            .registry
+            .entries()
+            .iter()
+            .filter(|e| e.read(|i| i.settings.volume_mounts.iter().any(names)))
+            .map(|e| e.id().to_string())
+            .collect();
+        let snapshots: Vec<String> = self
+            .shared
+            .snapshots
+            .list()
             .into_iter()
-            .filter(|info| info.settings.volume_mounts.iter().any(|m| m.name == name))
-            .map(|info| info.id)
-            .collect()
+            .filter(|s| s.settings.volume_mounts.iter().any(names))
+            .map(|s| match s.name {
+                Some(name) => format!("{} ({name})", s.id),
+                None => s.id,
+            })
+            .collect();
+        let mut why = Vec::new();
+        if !sandboxes.is_empty() {
+            why.push(format!(
+                "mounted by sandbox {}: delete or kill those sandboxes first",
+                sandboxes.join(", ")
+            ));
+        }
+        if !snapshots.is_empty() {
+            why.push(format!(
+                "mounted by snapshot {} (a sandbox created from it mounts the volume again): delete those snapshots first",
+                snapshots.join(", ")
+            ));
+        }
+        (!why.is_empty()).then(|| format!("volume {}: {}", volume.id, why.join("; ")))
     }
 
-    /// Resolves each mount's volume by name (400 naming the entry when there is none).
-    pub(super) fn resolve_mounts(&self, mounts: &mut [VolumeMount]) -> Result<(), OrchError> {
+    /// Resolves each mount's volume by name (400 naming the entry when there is none) and
+    /// claims it until the caller's sandbox is registered.
+    pub(super) fn resolve_mounts(
+        &self,
+        mounts: &mut [VolumeMount],
+    ) -> Result<Vec<VolumeClaim>, OrchError> {
+        let mut claims = Vec::with_capacity(mounts.len());
         for (i, m) in mounts.iter_mut().enumerate() {
             let volume = self.shared.volumes.by_name(&m.name).ok_or_else(|| {
                 OrchError::BadRequest(format!(
@@ -109,8 +141,44 @@ impl Orchestrator {
                 ))
             })?;
             m.volume_id = volume.record.id.clone();
+            claims.push(
+                volume
+                    .claim()
+                    .map_err(|e| OrchError::Conflict(format!("volumeMounts[{i}].name: {e}")))?,
+            );
         }
-        Ok(())
+        Ok(claims)
+    }
+
+    /// Claims the volumes already resolved in `mounts` (a snapshot's, a sandbox's) until
+    /// the caller's sandbox or snapshot is registered; 409 naming `owner` when one is
+    /// gone or being deleted.
+    pub(super) fn claim_mounts(
+        &self,
+        owner: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<Vec<VolumeClaim>, OrchError> {
+        mounts
+            .iter()
+            .map(|m| {
+                let volume = self.shared.volumes.get(&m.volume_id).ok_or_else(|| {
+                    OrchError::Conflict(format!(
+                        "{owner} mounts volume {} ({}), which no longer exists",
+                        m.name, m.volume_id
+                    ))
+                })?;
+                volume
+                    .claim()
+                    .map_err(|e| OrchError::Conflict(format!("{owner} mounts {e}")))
+            })
+            .collect()
+    }
+
+    /// Claims the volumes sandbox `id` mounts, for a fork or snapshot of it (which
+    /// registers children or a snapshot that mount them too).
+    pub(super) fn claim_sandbox_mounts(&self, id: &str) -> Result<Vec<VolumeClaim>, OrchError> {
+        let mounts = self.entry(id)?.read(|i| i.settings.volume_mounts.clone());
+        self.claim_mounts(&format!("sandbox {id}"), &mounts)
     }
 
     /// Mounts `mounts` in the new sandbox's guest (its slot's NFS server exports them):

@@ -53,7 +53,49 @@ pub enum FileKind {
     Dir,
     Symlink,
     Regular,
-    Other,
+    CharDevice,
+    BlockDevice,
+    Fifo,
+    Socket,
+}
+
+impl FileKind {
+    /// What the entry is, for a message (`a character device`).
+    pub fn describe(self) -> &'static str {
+        match self {
+            FileKind::Dir => "a directory",
+            FileKind::Symlink => "a symlink",
+            FileKind::Regular => "a regular file",
+            FileKind::CharDevice => "a character device",
+            FileKind::BlockDevice => "a block device",
+            FileKind::Fifo => "a FIFO",
+            FileKind::Socket => "a socket",
+        }
+    }
+
+    /// A device node, FIFO or socket: opening one may block, reach a device or fail.
+    pub fn is_special(self) -> bool {
+        !matches!(self, FileKind::Dir | FileKind::Symlink | FileKind::Regular)
+    }
+
+    fn of_mode(mode: libc::mode_t) -> FileKind {
+        match mode & libc::S_IFMT {
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFREG => FileKind::Regular,
+            libc::S_IFCHR => FileKind::CharDevice,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            libc::S_IFIFO => FileKind::Fifo,
+            // S_IFSOCK, the one format left.
+            _ => FileKind::Socket,
+        }
+    }
+
+    /// The kind of the open `file` (`fstat`).
+    pub fn of_file(file: &File) -> io::Result<FileKind> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(FileKind::of_mode(file.metadata()?.mode() as libc::mode_t))
+    }
 }
 
 /// An open directory, the anchor of `*at` calls: every operation names one entry *in*
@@ -125,12 +167,7 @@ impl DirFd {
                 _ => Err(e),
             };
         }
-        let kind = match st.st_mode & libc::S_IFMT {
-            libc::S_IFDIR => FileKind::Dir,
-            libc::S_IFLNK => FileKind::Symlink,
-            libc::S_IFREG => FileKind::Regular,
-            _ => FileKind::Other,
-        };
+        let kind = FileKind::of_mode(st.st_mode);
         Ok(Some(Stat {
             kind,
             ino: st.st_ino,
@@ -147,22 +184,30 @@ impl DirFd {
     }
 
     /// Opens the entry `name` itself for reading (a directory too), never through a
-    /// symlink (`ELOOP`) and without blocking on a FIFO; metadata calls on the returned
-    /// file (`fchmod`, `fchown`) then act on exactly that inode.
+    /// symlink (`ELOOP`), without blocking on a FIFO or taking a terminal; metadata calls
+    /// on the returned file (`fchmod`, `fchown`) then act on exactly that inode.
     pub fn open_entry(&self, name: &OsStr) -> SysResult<File> {
         self.open_with(
             name,
-            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             0,
         )
     }
 
     /// Opens the regular file `name` for writing, created with `mode` (less the umask)
-    /// when missing, truncated when present; never through a symlink (`ELOOP`).
+    /// when missing, truncated when present; never through a symlink (`ELOOP`), and
+    /// without blocking on a FIFO (`ENXIO` without a reader) or taking a terminal: the
+    /// caller checks the opened file's kind before writing.
     pub fn open_truncate(&self, name: &OsStr, mode: u32) -> SysResult<File> {
         self.open_with(
             name,
-            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            libc::O_WRONLY
+                | libc::O_CREAT
+                | libc::O_TRUNC
+                | libc::O_NONBLOCK
+                | libc::O_NOCTTY
+                | libc::O_NOFOLLOW
+                | libc::O_CLOEXEC,
             mode,
         )
     }

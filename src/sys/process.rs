@@ -9,8 +9,8 @@ use std::process::{Child, Command, ExitStatus};
 use super::jail::{Credentials, Jail};
 
 /// What a child gets between `fork` and `exec`, in this order: the network namespace, its
-/// inherited fds, the jail (mount namespace), the unprivileged account, and the
-/// parent-death signal (after the account switch, which would clear it).
+/// inherited fds, the jail (mount namespace), the dropped capabilities, the unprivileged
+/// account, and the parent-death signal (after the account switch, which would clear it).
 #[derive(Debug, Default)]
 pub struct ChildSetup {
     /// An open `/proc/.../ns/net` or bind-mounted namespace file to enter.
@@ -26,7 +26,14 @@ pub struct ChildSetup {
     /// The account the child runs as (no supplementary groups, no capabilities,
     /// `PR_SET_NO_NEW_PRIVS`).
     pub credentials: Option<Credentials>,
+    /// Capabilities (`CAP_*` numbers) a child that stays root loses for good: out of its
+    /// effective, permitted and inheritable sets and its bounding set, so not even exec
+    /// gives them back.
+    pub dropped_capabilities: &'static [u32],
 }
+
+/// `CAP_MKNOD` (linux/capability.h): making device nodes.
+pub const CAP_MKNOD: u32 = 27;
 
 /// Most fds a child can inherit through [`ChildSetup::fds`].
 pub const MAX_INHERITED_FDS: usize = 128;
@@ -42,6 +49,7 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         fds,
         jail,
         credentials,
+        dropped_capabilities,
     } = setup;
     // Sources are first moved above every target, so that no dup2 overwrites a source
     // that is still to be moved.
@@ -77,6 +85,9 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         if let Some(jail) = &jail {
             jail.enter()?;
         }
+        if !dropped_capabilities.is_empty() {
+            drop_capabilities(dropped_capabilities)?;
+        }
         if let Some(credentials) = &credentials {
             credentials.assume()?;
         }
@@ -97,12 +108,70 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         Ok(())
     };
     // SAFETY: the hook runs in the forked child before exec and calls only async-signal-safe
-    // functions (fcntl, dup2, setns, mount, mkdir, pivot_root, set*id, prctl, getppid,
+    // functions (fcntl, dup2, setns, mount, mkdir, pivot_root, capget/capset, set*id, prctl, getppid,
     // errno reads) on data prepared before the fork; it allocates only on its error paths,
     // which std tolerates for `pre_exec` errors.
     unsafe {
         cmd.pre_exec(hook);
     }
+}
+
+/// `struct __user_cap_header_struct` and `__user_cap_data_struct` (linux/capability.h).
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3`: two `CapData`, capabilities 0-31 and 32-63.
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// Runs in the forked child: removes `caps` from this process's three sets (capset) and
+/// from its bounding set. Only system calls on stack data.
+fn drop_capabilities(caps: &[u32]) -> io::Result<()> {
+    let mut header = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: capget writes the two `CapData` that version 3 defines into `data`, which
+    // is exactly that large; `header` is valid for the call.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    for &cap in caps {
+        let (word, bit) = ((cap / 32) as usize, 1u32 << (cap % 32));
+        let Some(d) = data.get_mut(word) else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        d.effective &= !bit;
+        d.permitted &= !bit;
+        d.inheritable &= !bit;
+    }
+    // SAFETY: as for capget; capset only reads `header` and `data`.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    for &cap in caps {
+        // SAFETY: prctl(PR_CAPBSET_DROP) takes integers by value and touches no memory.
+        // Allowed while CAP_SETPCAP is still held (it is not among what callers drop).
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Sends SIGKILL to `child` (unless it already exited) and waits for it, so neither the
@@ -214,6 +283,40 @@ mod tests {
         out.clear();
         std::io::Read::read_to_string(&mut &reader2, &mut out).unwrap();
         assert_eq!(out, "four\n");
+    }
+
+    /// A child that stays root loses CAP_MKNOD for good: `mknod` of a device fails with
+    /// EPERM and /proc says the capability is in none of its sets (not even after exec).
+    #[test]
+    fn dropped_capability_is_gone_after_exec() {
+        assert!(
+            super::super::fs::is_root(),
+            "needs root: run the suite with sudo"
+        );
+        let dir = std::env::temp_dir().join(format!("aenv-caps-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg("grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status; mknod \"$1\" c 1 3")
+            .arg("sh")
+            .arg(dir.join("null"));
+        configure_child(
+            &mut cmd,
+            ChildSetup {
+                dropped_capabilities: &[CAP_MKNOD],
+                ..ChildSetup::default()
+            },
+        );
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        for line in text.lines() {
+            let mask = u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap();
+            assert_eq!(mask & (1 << CAP_MKNOD), 0, "{line}");
+        }
+        assert_eq!(text.lines().count(), 5, "{text}");
+        assert!(!out.status.success(), "mknod worked without CAP_MKNOD");
+        assert!(!dir.join("null").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

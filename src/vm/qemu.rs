@@ -923,6 +923,7 @@ impl Vm {
                 fds: passed.numbers(),
                 jail: Some(jail),
                 credentials: Some(credentials),
+                dropped_capabilities: &[],
             },
         );
         let started = Instant::now();

@@ -255,10 +255,8 @@ impl<'a> Tree<'a> {
             .metadata()
             .map_err(|e| VolumeError::io(path.display(), e))?;
         if !m.is_file() {
-            return Err(VolumeError::bad_path(format!(
-                "{} is not a regular file",
-                path.display()
-            )));
+            let kind = FileKind::of_file(&file).map_err(|e| VolumeError::io(path.display(), e))?;
+            return Err(not_a_file(path, kind));
         }
         Ok((file, m.len()))
     }
@@ -277,10 +275,16 @@ impl<'a> Tree<'a> {
             .split_last()
             .ok_or_else(|| VolumeError::bad_path("/ is a directory"))?;
         let fd = self.open_dir(&dir, parents)?;
+        refuse_special(&fd, name, path)?;
         let mut file = match fd.open_truncate(name, 0o644) {
             Ok(f) => f,
             Err(e) => return Err(final_error(&fd, name, path, e)),
         };
+        // Swapped in since the check (a FIFO with a reader opens): nothing is written.
+        match FileKind::of_file(&file).map_err(|e| VolumeError::io(path.display(), e))? {
+            FileKind::Regular => {}
+            kind => return Err(not_a_file(path, kind)),
+        }
         std::io::copy(body, &mut file)
             .and_then(|_| file.flush())
             .map_err(|e| no_space(VolumeError::io(path.display(), e)))?;
@@ -312,10 +316,37 @@ impl<'a> Tree<'a> {
         remove_entry(&fd, name, st.kind == FileKind::Dir, 0)
     }
 
+    /// Opens `path`'s last component `name`, a regular file or a directory: a device
+    /// node, FIFO or socket is refused before any open (and the host's mount is `nodev`,
+    /// so a device swapped in meanwhile does not open either).
     fn open_final(&self, fd: &DirFd, name: &OsStr, path: &VolumePath) -> Result<File, VolumeError> {
-        fd.open_entry(name)
-            .map_err(|e| final_error(fd, name, path, e))
+        refuse_special(fd, name, path)?;
+        let file = fd
+            .open_entry(name)
+            .map_err(|e| final_error(fd, name, path, e))?;
+        match FileKind::of_file(&file).map_err(|e| VolumeError::io(path.display(), e))? {
+            kind if kind.is_special() => Err(not_a_file(path, kind)),
+            _ => Ok(file),
+        }
     }
+}
+
+/// 400 when the entry `name` (at `path`) is a device node, FIFO or socket: the content API
+/// lists, stats and removes those but never opens or changes one.
+fn refuse_special(fd: &DirFd, name: &OsStr, path: &VolumePath) -> Result<(), VolumeError> {
+    match fd.stat(name).map_err(VolumeError::Sys)? {
+        Some(st) if st.kind.is_special() => Err(not_a_file(path, st.kind)),
+        _ => Ok(()),
+    }
+}
+
+fn not_a_file(path: &VolumePath, kind: FileKind) -> VolumeError {
+    let what = match kind {
+        FileKind::Dir => " (use the dir calls)",
+        FileKind::Regular | FileKind::Symlink => "",
+        _ => "; the content API opens only regular files and directories (list, stat and remove work on it)",
+    };
+    VolumeError::bad_path(format!("{} is {}{what}", path.display(), kind.describe()))
 }
 
 fn remove_entry(fd: &DirFd, name: &OsStr, dir: bool, level: u32) -> Result<(), VolumeError> {
@@ -371,6 +402,9 @@ fn final_error(
                 path,
                 crate::sys::SysError::from_errno("openat", libc::ELOOP),
             ),
+            // A device on the `nodev` mount (EACCES), a FIFO without reader (ENXIO), a
+            // socket: what it is, not a server fault.
+            Ok(Some(st)) if st.kind.is_special() => not_a_file(path, st.kind),
             _ => no_space(VolumeError::Sys(e)),
         },
     }
@@ -409,7 +443,8 @@ fn entry(fd: &DirFd, name: &OsStr, path: &VolumePath, st: &Stat) -> Entry {
         FileKind::Dir => EntryKind::Directory,
         FileKind::Regular => EntryKind::File,
         FileKind::Symlink => EntryKind::Symlink,
-        FileKind::Other => EntryKind::Unknown,
+        // E2B's types stop here: devices, FIFOs and sockets are listed as `unknown`.
+        _ => EntryKind::Unknown,
     };
     let target = (kind == EntryKind::Symlink)
         .then(|| fd.read_link(name).ok())
@@ -438,6 +473,7 @@ fn time((secs, nsec): (i64, i64)) -> SystemTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::OpenOptionsExt;
 
     fn scratch(name: &str) -> std::path::PathBuf {
         let dir =
@@ -497,6 +533,78 @@ mod tests {
         assert!(outside.join("secret").exists(), "remove followed a symlink");
         let _ = std::fs::remove_dir_all(&root);
         let _ = std::fs::remove_dir_all(&outside);
+    }
+
+    /// A device node, FIFO or socket (a guest can make the last two over NFS) is listed
+    /// and removable but never opened: every other call is a 400 naming it, none blocks.
+    #[test]
+    fn special_entries_are_refused_without_being_opened() {
+        use crate::sys::files::NodeKind;
+        assert_eq!(
+            crate::sys::files::effective_uid(),
+            0,
+            "needs root (mknod): run the suite with sudo"
+        );
+        let root = scratch("special");
+        let dir = DirFd::open(&root).unwrap();
+        dir.mknod(OsStr::new("null"), NodeKind::Char, 0o666, 1, 3)
+            .unwrap();
+        dir.mknod(OsStr::new("fifo"), NodeKind::Fifo, 0o666, 0, 0)
+            .unwrap();
+        let _socket = std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
+        // A FIFO with a reader: an open for writing would succeed; it must not be used.
+        let _reader = std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(root.join("fifo"))
+            .unwrap();
+        let tree = Tree::new(&root);
+        let p = |s| VolumePath::parse(s).unwrap();
+        let kinds: Vec<(String, EntryKind)> = tree
+            .list(&p("/"), 1)
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.path, e.kind))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("/fifo".to_string(), EntryKind::Unknown),
+                ("/null".to_string(), EntryKind::Unknown),
+                ("/sock".to_string(), EntryKind::Unknown)
+            ]
+        );
+        for (name, kind) in [
+            ("/null", "a character device"),
+            ("/fifo", "a FIFO"),
+            ("/sock", "a socket"),
+        ] {
+            let refused = |r: Result<(), VolumeError>, call: &str| match r {
+                Err(VolumeError::BadPath(m)) => {
+                    assert!(m.contains(name) && m.contains(kind), "{call} {name}: {m}")
+                }
+                other => panic!("{call} {name}: {other:?}"),
+            };
+            refused(tree.read(&p(name)).map(drop), "read");
+            let mut body: &[u8] = b"x";
+            refused(
+                tree.write(&p(name), &mut body, Meta::default(), false)
+                    .map(drop),
+                "write",
+            );
+            let chmod = Meta {
+                mode: Some(0o600),
+                ..Meta::default()
+            };
+            refused(tree.set_meta(&p(name), chmod).map(drop), "set_meta");
+            assert_eq!(tree.stat(&p(name)).unwrap().kind, EntryKind::Unknown);
+        }
+        assert_eq!(std::fs::metadata(root.join("fifo")).unwrap().len(), 0);
+        for name in ["/null", "/fifo", "/sock"] {
+            tree.remove(&p(name)).unwrap();
+        }
+        assert!(tree.list(&p("/"), 1).unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]

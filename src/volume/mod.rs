@@ -6,7 +6,11 @@
 //! NFS from their slot's namespace.
 //!
 //! Threads: API workers call the store; a volume's content calls share its gate, a delete
-//! takes it exclusively, so no content call runs on a volume being unmounted.
+//! takes it exclusively, so no content call runs on a volume being unmounted. A create,
+//! fork or snapshot that will mount a volume holds a [`VolumeClaim`] until its sandbox (or
+//! snapshot) is registered; a delete first closes the volume to new claims, then checks
+//! that there are none and that no record names it ([`VolumeStore::delete`]), so a delete
+//! racing a create never leaves a sandbox on a deleted volume.
 
 pub mod content;
 mod disk;
@@ -43,6 +47,9 @@ pub enum VolumeError {
     Disk(String),
     /// The volume is not mounted on the host (503).
     Unmounted(String),
+    /// A delete of a volume that sandboxes or snapshots use, or a claim of one being
+    /// deleted (409).
+    InUse(String),
     Io {
         what: String,
         source: std::io::Error,
@@ -75,7 +82,7 @@ impl VolumeError {
         match self {
             VolumeError::BadPath(_) | VolumeError::TooMany(_) => 400,
             VolumeError::PathNotFound(_) => 404,
-            VolumeError::Exists(_) => 409,
+            VolumeError::Exists(_) | VolumeError::InUse(_) => 409,
             VolumeError::NoSpace => 507,
             VolumeError::Unmounted(_) => 503,
             VolumeError::Disk(_) | VolumeError::Io { .. } | VolumeError::Sys(_) => 500,
@@ -92,7 +99,9 @@ impl From<SysError> for VolumeError {
 impl fmt::Display for VolumeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            VolumeError::BadPath(m) | VolumeError::Disk(m) => f.write_str(m),
+            VolumeError::BadPath(m) | VolumeError::Disk(m) | VolumeError::InUse(m) => {
+                f.write_str(m)
+            }
             VolumeError::PathNotFound(p) => write!(f, "path {p} not found in the volume"),
             VolumeError::Exists(p) => write!(f, "path {p} exists already"),
             VolumeError::NoSpace => f.write_str(
@@ -124,11 +133,39 @@ pub struct VolumeRecord {
     pub schema: u32,
 }
 
-/// One volume: its record and the gate its content calls pass.
+/// One volume: its record, the gate its content calls pass and its claims.
 pub struct Volume {
     pub record: VolumeRecord,
     mount: PathBuf,
     gate: RwLock<bool>,
+    claims: Mutex<Claims>,
+}
+
+/// Who is about to mount a volume, and whether a delete has closed it.
+#[derive(Debug, Default)]
+struct Claims {
+    held: usize,
+    /// Set by a delete before it checks for users; cleared when that delete is refused,
+    /// kept once the volume is gone.
+    closed: bool,
+}
+
+/// A create's hold on a volume it will mount, until its sandbox is registered: the
+/// volume cannot be deleted meanwhile. Released on drop.
+pub struct VolumeClaim {
+    volume: Arc<Volume>,
+}
+
+impl Drop for VolumeClaim {
+    fn drop(&mut self) {
+        self.volume.claims.lock().held -= 1;
+    }
+}
+
+impl VolumeClaim {
+    pub fn volume(&self) -> &Volume {
+        &self.volume
+    }
 }
 
 /// A content call's hold on a mounted volume.
@@ -162,6 +199,55 @@ impl Volume {
     /// Where the volume's tree is mounted on the host.
     pub fn mount_dir(&self) -> &Path {
         &self.mount
+    }
+
+    /// Holds the volume for a sandbox about to mount it; [`VolumeError::InUse`] while a
+    /// delete has it (or it is gone).
+    pub fn claim(self: &Arc<Volume>) -> Result<VolumeClaim, VolumeError> {
+        let mut claims = self.claims.lock();
+        if claims.closed {
+            return Err(VolumeError::InUse(format!(
+                "volume {} ({}) is being deleted",
+                self.record.name, self.record.id
+            )));
+        }
+        claims.held += 1;
+        Ok(VolumeClaim {
+            volume: Arc::clone(self),
+        })
+    }
+
+    /// Closes the volume to new claims for a delete: refused while claims are held (it
+    /// stays open) or another delete has it.
+    fn close(&self) -> Result<(), VolumeError> {
+        let mut claims = self.claims.lock();
+        let id = &self.record.id;
+        if claims.closed {
+            return Err(VolumeError::InUse(format!(
+                "volume {id} is being deleted already"
+            )));
+        }
+        if claims.held > 0 {
+            return Err(VolumeError::InUse(format!(
+                "volume {id} is being mounted by {} sandbox operation(s) in progress (create, fork or snapshot); delete it once they are done and their sandboxes and snapshots are gone",
+                claims.held
+            )));
+        }
+        claims.closed = true;
+        Ok(())
+    }
+
+    fn reopen(&self) {
+        self.claims.lock().closed = false;
+    }
+
+    fn new(record: VolumeRecord, mount: PathBuf, mounted: bool) -> Volume {
+        Volume {
+            record,
+            mount,
+            gate: RwLock::new(mounted),
+            claims: Mutex::new(Claims::default()),
+        }
     }
 }
 
@@ -234,11 +320,7 @@ impl VolumeStore {
         };
         match make(&path, &record) {
             Ok(mount) => {
-                let volume = Volume {
-                    record: record.clone(),
-                    mount,
-                    gate: RwLock::new(true),
-                };
+                let volume = Volume::new(record.clone(), mount, true);
                 self.by_id.write().insert(id, Arc::new(volume));
                 Ok(record)
             }
@@ -265,11 +347,32 @@ impl VolumeStore {
     }
 
     /// Unmounts and removes volume `id`, after its content calls in flight have ended;
-    /// `false` when there is none. The caller checked that no sandbox mounts it.
-    pub fn delete(&self, id: &str) -> Result<bool, VolumeError> {
+    /// `false` when there is none. First the volume is closed to new claims; then, with
+    /// none held, `users` says who else mounts it (the records naming it: sandboxes,
+    /// snapshots): a message there refuses the delete ([`VolumeError::InUse`]) and opens
+    /// the volume again.
+    pub fn delete(
+        &self,
+        id: &str,
+        users: impl FnOnce(&VolumeRecord) -> Option<String>,
+    ) -> Result<bool, VolumeError> {
         let Some(volume) = self.get(id) else {
             return Ok(false);
         };
+        volume.close()?;
+        if let Some(why) = users(&volume.record) {
+            volume.reopen();
+            return Err(VolumeError::InUse(why));
+        }
+        if let Err(e) = self.remove(&volume) {
+            volume.reopen();
+            return Err(e);
+        }
+        Ok(true)
+    }
+
+    fn remove(&self, volume: &Volume) -> Result<(), VolumeError> {
+        let id = &volume.record.id;
         let mut mounted = volume.gate.write();
         if *mounted {
             disk::unmount(&volume.mount)?;
@@ -282,7 +385,7 @@ impl VolumeStore {
         remove_leftover(&path);
         self.by_id.write().remove(id);
         self.names.lock().remove(&volume.record.name);
-        Ok(true)
+        Ok(())
     }
 
     /// Unmounts every volume (graceful shutdown), so their images are clean on disk.
@@ -363,11 +466,7 @@ fn attach(path: &Path, record: VolumeRecord) -> Volume {
         record.id,
         record.name
     );
-    Volume {
-        record,
-        mount,
-        gate: RwLock::new(mounted),
-    }
+    Volume::new(record, mount, mounted)
 }
 
 /// Removes what an interrupted create or a delete left in `path` (unmounting first).
@@ -385,6 +484,88 @@ fn remove_leftover(path: &Path) {
     if let Err(e) = std::fs::remove_dir_all(path) {
         if e.kind() != std::io::ErrorKind::NotFound {
             log::warn!("op=recover path={} error={e}", path.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn volume() -> Arc<Volume> {
+        let record = VolumeRecord {
+            id: "vol-1".into(),
+            name: "work".into(),
+            token: "t".into(),
+            size_mb: 16,
+            created_at: SystemTime::now(),
+            schema: SCHEMA,
+        };
+        Arc::new(Volume::new(record, PathBuf::from("/nonexistent"), false))
+    }
+
+    #[test]
+    fn a_delete_closes_the_volume_to_claims_and_a_claim_refuses_the_delete() {
+        let v = volume();
+        let claim = v.claim().unwrap();
+        assert!(matches!(v.close(), Err(VolumeError::InUse(m)) if m.contains("in progress")));
+        drop(claim);
+        v.close().unwrap();
+        assert!(matches!(v.claim(), Err(VolumeError::InUse(m)) if m.contains("being deleted")));
+        assert!(matches!(v.close(), Err(VolumeError::InUse(m)) if m.contains("already")));
+        v.reopen();
+        drop(v.claim().unwrap());
+    }
+
+    /// Creates (claim, then register while holding the claim) race deletes (close, then
+    /// look for registered users, then delete): whatever the interleaving, no create
+    /// succeeds on a volume a delete removed, and a delete that went ahead saw no user.
+    #[test]
+    fn a_delete_racing_creates_never_leaves_a_sandbox_on_a_deleted_volume() {
+        for _ in 0..200 {
+            let v = volume();
+            let registered = Arc::new(Mutex::new(Vec::<usize>::new()));
+            let deleted = Arc::new(AtomicBool::new(false));
+            let start = Arc::new(std::sync::Barrier::new(5));
+            let mut threads = Vec::new();
+            for n in 0..4 {
+                let (v, registered, deleted, start) = (
+                    v.clone(),
+                    registered.clone(),
+                    deleted.clone(),
+                    start.clone(),
+                );
+                threads.push(std::thread::spawn(move || {
+                    start.wait();
+                    if let Ok(claim) = v.claim() {
+                        assert!(!deleted.load(Ordering::SeqCst), "claimed a deleted volume");
+                        registered.lock().push(n);
+                        drop(claim);
+                    }
+                }));
+            }
+            start.wait();
+            let outcome = match v.close() {
+                Err(_) => false,
+                Ok(()) if !registered.lock().is_empty() => {
+                    v.reopen();
+                    false
+                }
+                Ok(()) => {
+                    deleted.store(true, Ordering::SeqCst);
+                    true
+                }
+            };
+            for t in threads {
+                t.join().unwrap();
+            }
+            if outcome {
+                assert!(
+                    registered.lock().is_empty(),
+                    "a sandbox mounts the deleted volume"
+                );
+            }
         }
     }
 }

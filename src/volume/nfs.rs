@@ -12,7 +12,7 @@
 
 use super::VolumeError;
 use crate::sys::jail::{Access, Jail};
-use crate::sys::process::{configure_child, kill_and_reap, ChildSetup};
+use crate::sys::process::{configure_child, kill_and_reap, ChildSetup, CAP_MKNOD};
 use std::fs::File;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
@@ -141,6 +141,9 @@ impl NfsServer {
                 netns: Some(netns.as_raw_fd()),
                 parent_death_signal: Some(libc::SIGKILL),
                 jail: Some(jail),
+                // Root in its jail, but without making device nodes: a guest's mknod on a
+                // volume is EPERM (FIFOs and sockets need no capability and stay inert).
+                dropped_capabilities: &[CAP_MKNOD],
                 ..ChildSetup::default()
             },
         );
