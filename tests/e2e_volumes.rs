@@ -5,7 +5,9 @@
 //! unmounted at shutdown and mounted again, its files intact) and deletion, with nothing
 //! left on the host (mounts, loop devices, directories); then one volume mounted in two
 //! sandboxes at once (tests/sdk/volume_mounts.py: each sees the other's writes, quota as
-//! ENOSPC in the guest, 409 on delete while mounted, pause and resume, bad mount paths),
+//! ENOSPC in the guest, 409 on delete while mounted, a guest's mknod refused and its FIFO
+//! refused by the content API, a snapshot holding the volume (409 naming it) and a sandbox
+//! from it and a fork of that one with the volume mounted, pause and resume, bad mount paths),
 //! with no NFS server left once they are gone; and the JS SDK's create, content calls and
 //! `volumeMounts` (tests/sdk/volumes.mjs).
 //!
