@@ -23,6 +23,7 @@ E2B_CODE_INTERPRETER_VERSION=2.11.5
 SCHEMATHESIS_VERSION=4.32.5
 E2B_JS_VERSION=2.51.0
 PLAYWRIGHT_CORE_VERSION=1.65.1
+PUPPETEER_CORE_VERSION=24.43.1
 
 step() { printf '==> %s\n' "$*"; }
 die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
@@ -134,16 +135,25 @@ mkdir -p "$TEST_TOOLS/node"
 (cd "$TEST_TOOLS/node" && npm install --silent --no-audit --no-fund --no-save "e2b@$E2B_JS_VERSION") \
   || die "cannot install e2b@$E2B_JS_VERSION from npm"
 
-step "browser tests: Debian's chromium, playwright-core $PLAYWRIGHT_CORE_VERSION from npm"
-# tests/e2e_console.rs drives the web console in headless Chromium; playwright-core has no
-# browser of its own (never `npx playwright install`): it launches /usr/bin/chromium.
-if ! command -v chromium >/dev/null; then
+step "browser tests: Debian's chromium and firefox-esr, playwright-core $PLAYWRIGHT_CORE_VERSION and puppeteer-core $PUPPETEER_CORE_VERSION from npm"
+# tests/e2e_console.rs drives the web console in headless Chromium and Firefox. Neither
+# driver downloads a browser (never `npx playwright install`): playwright-core launches
+# /usr/bin/chromium; puppeteer-core launches /usr/bin/firefox-esr over WebDriver BiDi
+# (stock Firefox has no Juggler, and playwright-core's BiDi Firefox needs commands newer
+# than ESR's). puppeteer-core 24 is the last line that supports Node 20.
+browsers_need=()
+command -v chromium >/dev/null || browsers_need+=(chromium)
+command -v firefox-esr >/dev/null || browsers_need+=(firefox-esr)
+if [ "${#browsers_need[@]}" -gt 0 ]; then
   apt-get update -qq || die "apt-get update failed"
-  apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core || die "cannot install chromium"
+  apt-get install -y -qq --no-install-recommends "${browsers_need[@]}" fonts-dejavu-core \
+    || die "cannot install ${browsers_need[*]}"
 fi
-mkdir -p "$TEST_TOOLS/playwright"
+mkdir -p "$TEST_TOOLS/playwright" "$TEST_TOOLS/puppeteer"
 (cd "$TEST_TOOLS/playwright" && npm install --silent --no-audit --no-fund --no-save \
   "playwright-core@$PLAYWRIGHT_CORE_VERSION") || die "cannot install playwright-core@$PLAYWRIGHT_CORE_VERSION from npm"
+(cd "$TEST_TOOLS/puppeteer" && npm install --silent --no-audit --no-fund --no-save \
+  "puppeteer-core@$PUPPETEER_CORE_VERSION") || die "cannot install puppeteer-core@$PUPPETEER_CORE_VERSION from npm"
 
 step "domain-mode tests: Debian's nginx and dnsmasq"
 # tests/e2e_domain.rs runs deploy/nginx/agentenv.conf in nginx (its own nginx.conf, its

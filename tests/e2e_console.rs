@@ -1,6 +1,8 @@
 //! The web console (docs/console.md) against the real server binary: its embedded files,
 //! their headers and the key checks of every console route (no VM), and the whole console
-//! in headless Chromium driven by Playwright (tests/console/console.cjs) with real VMs.
+//! in headless Chromium driven by Playwright (tests/console/console.cjs) with real VMs, then
+//! its essential checks in headless Firefox ESR driven by Puppeteer over WebDriver BiDi
+//! (tests/console/firefox.cjs) on the same server.
 
 mod common;
 
@@ -121,55 +123,21 @@ fn screenshots_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots")
 }
 
-/// The whole console in headless Chromium (tests/console/console.cjs): log in, watch a
-/// template build's log, see a sandbox made through the API appear live (its XSS metadata
-/// shown as text), filter, keyboard (tab order, visible focus), plots with points, the
-/// terminal (`echo hi`, the default user, resize, a flood while /health answers, closing the
-/// tab kills the PTY), pause, resume, set timeout and snapshot from the page, the host page,
-/// phone width, delete; no console errors. One server, one sandbox.
-#[test]
-fn console_in_chromium() {
-    let _serial = serial();
-    let playwright = "/opt/agentenv-tests/playwright/node_modules/playwright-core";
-    assert!(
-        std::path::Path::new("/usr/bin/chromium").exists()
-            && std::path::Path::new(playwright).exists(),
-        "chromium or playwright-core missing: run scripts/setup.sh"
-    );
-    let ext = extension::Extension::start();
-    ext.set(
-        "start-resume",
-        extension::Behavior::delay(30, extension::Behavior::Default),
-    );
-    let s = Server::start(&format!(
-        "[metrics]\nhistory_interval_secs = 1\n[custom_extension]\nurl = \"{}\"\n",
-        ext.url()
-    ));
-    let (code, t) = s.call(
-        "POST",
-        "/templates",
-        Some(
-            serde_json::json!({"name": "console-tpl", "image": base_image(), "memoryMB": 256,
-            "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "echo built-for-the-console"}),
-        ),
-    );
-    assert_eq!(code, 202, "{t}");
-    let template = t["templateID"].as_str().unwrap().to_string();
-    let shots = screenshots_dir();
-    let _ = std::fs::remove_dir_all(&shots);
-    let profile = scratch_dir().join("chromium-profile");
+/// Runs one browser script of tests/console against `s` with `env`; its JSON step lines.
+/// Fails with the script's output and the server's log unless it ends with `done`.
+fn browser_script(s: &Server, script: &str, env: &[(&str, &str)]) -> Vec<serde_json::Value> {
+    let profile = scratch_dir().join("browser-profile");
     let started = std::time::Instant::now();
     let mut child = std::process::Command::new("node")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/console/console.cjs"
+        .arg(format!(
+            "{}/tests/console/{script}",
+            env!("CARGO_MANIFEST_DIR")
         ))
         .env("AENV_URL", &s.base)
         .env("AENV_KEY", API_KEY)
-        .env("TEMPLATE_ID", &template)
-        .env("SHOTS", &shots)
-        .env("PLAYWRIGHT_CORE", playwright)
+        .env("SHOTS", screenshots_dir())
         .env("USER_DATA_DIR", &profile)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .spawn()
@@ -180,20 +148,27 @@ fn console_in_chromium() {
         &mut child,
         std::time::Instant::now() + Duration::from_secs(30),
     );
-    let _ = std::fs::remove_dir_all(&profile);
-    eprintln!("{out}browser part: {:?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(profile.parent().unwrap());
+    eprintln!("{out}{script}: {:?}", started.elapsed());
     assert!(
         status.is_some_and(|s| s.success()),
-        "the browser test failed:\n{out}\n{}",
+        "{script} failed:\n{out}\n{}",
         s.log()
     );
     let steps: Vec<serde_json::Value> = out
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
+    assert!(steps.iter().any(|v| v["step"] == "done"), "{out}");
+    steps
+}
+
+/// What console.cjs did in Chromium happened on the server: its sandbox is gone, its hooks
+/// were sent, its snapshot exists, and every page has its screenshots.
+fn chromium_did_it(s: &Server, ext: &extension::Extension, steps: &[serde_json::Value]) {
+    let shots = screenshots_dir();
     let done = steps.iter().find(|v| v["step"] == "done").expect("done");
     let id = done["sandbox"].as_str().unwrap();
-    // What the page did happened on the server: the sandbox is gone, its hooks were sent.
     assert_eq!(s.call("GET", &format!("/sandboxes/{id}"), None).0, 404);
     let resumes = ext.requests_for("start-resume");
     assert!(
@@ -218,5 +193,71 @@ fn console_in_chromium() {
     }
     for page in ["sandboxes", "sandbox", "templates", "host", "terminal"] {
         assert!(shots.join(format!("{page}-390.png")).exists(), "{page}-390");
+    }
+}
+
+/// The whole console in headless Chromium (tests/console/console.cjs): log in, watch a
+/// template build's log, see a sandbox made through the API appear live (its XSS metadata
+/// shown as text), filter, keyboard (tab order, visible focus), plots with points, the
+/// terminal (`echo hi`, the default user, resize, a flood while /health answers, closing the
+/// tab kills the PTY), pause, resume, set timeout and snapshot from the page, the host page,
+/// phone width, delete; no console errors. Then, on the same server and template, the
+/// essential checks in headless Firefox (tests/console/firefox.cjs, WebDriver BiDi): log
+/// in, a sandbox appearing live with its XSS metadata as text, plot points, `echo hi`, no
+/// console errors. One server, one sandbox per browser.
+#[test]
+fn console_in_chromium_and_firefox() {
+    let _serial = serial();
+    let playwright = "/opt/agentenv-tests/playwright/node_modules/playwright-core";
+    let puppeteer = "/opt/agentenv-tests/puppeteer/node_modules/puppeteer-core";
+    for need in [
+        "/usr/bin/chromium",
+        "/usr/bin/firefox-esr",
+        playwright,
+        puppeteer,
+    ] {
+        assert!(
+            std::path::Path::new(need).exists(),
+            "{need} missing: run scripts/setup.sh"
+        );
+    }
+    let ext = extension::Extension::start();
+    ext.set(
+        "start-resume",
+        extension::Behavior::delay(30, extension::Behavior::Default),
+    );
+    let s = Server::start(&format!(
+        "[metrics]\nhistory_interval_secs = 1\n[custom_extension]\nurl = \"{}\"\n",
+        ext.url()
+    ));
+    let (code, t) = s.call(
+        "POST",
+        "/templates",
+        Some(
+            serde_json::json!({"name": "console-tpl", "image": base_image(), "memoryMB": 256,
+            "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "echo built-for-the-console"}),
+        ),
+    );
+    assert_eq!(code, 202, "{t}");
+    let template = t["templateID"].as_str().unwrap().to_string();
+    let shots = screenshots_dir();
+    let _ = std::fs::remove_dir_all(&shots);
+    let steps = browser_script(
+        &s,
+        "console.cjs",
+        &[("TEMPLATE_ID", &template), ("PLAYWRIGHT_CORE", playwright)],
+    );
+    chromium_did_it(&s, &ext, &steps);
+    let steps = browser_script(
+        &s,
+        "firefox.cjs",
+        &[("TEMPLATE_ID", &template), ("PUPPETEER_CORE", puppeteer)],
+    );
+    let done = steps.iter().find(|v| v["step"] == "done").unwrap();
+    let id = done["sandbox"].as_str().unwrap();
+    assert_eq!(s.call("GET", &format!("/sandboxes/{id}"), None).0, 404);
+    for page in ["login", "sandboxes", "sandbox", "terminal"] {
+        let f = shots.join(format!("firefox-{page}-1280.png"));
+        assert!(std::fs::metadata(&f).is_ok_and(|m| m.len() > 1000), "{f:?}");
     }
 }
