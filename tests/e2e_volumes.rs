@@ -9,7 +9,9 @@
 //! refused by the content API, a snapshot holding the volume (409 naming it) and a sandbox
 //! from it and a fork of that one with the volume mounted, pause and resume, bad mount paths),
 //! with no NFS server left once they are gone; and the JS SDK's create, content calls and
-//! `volumeMounts` (tests/sdk/volumes.mjs).
+//! `volumeMounts` (tests/sdk/volumes.mjs); then tests/sdk/volume_lifecycle.py: a
+//! filesystem-only pause and resume of a sandbox whose image has no `mount` program (the
+//! agent mounts with mount(2)) and a running sandbox's mount across a graceful restart.
 //!
 //! Needs root (loop mounts). Run under the host lock:
 //! `flock /run/agentenv-host.lock cargo test --release --test e2e_volumes`.
@@ -131,6 +133,31 @@ fn volumes_end_to_end() {
     let (python, js_module) = sdk_tools();
     content_quota_restart_and_delete(&python);
     mounted_in_two_sandboxes(&python, &js_module);
+    across_pause_and_restart(&python);
+}
+
+/// tests/sdk/volume_lifecycle.py: a filesystem-only pause and resume of a sandbox whose
+/// image has no `mount` (the agent mounts the volume again itself), then a running sandbox
+/// across a graceful restart (paused by the stop, resumed after it with its mount).
+fn across_pause_and_restart(python: &str) {
+    let mut s = Server::start("");
+    build_template(&s, "base");
+    let lines = sdk_script(&s, python, "volume_lifecycle.py", &["before-restart"]);
+    let (vol, sbx) = (id_from(&lines, "id-volume"), id_from(&lines, "id-sandbox"));
+    assert_eq!(nfs_servers(&s).len(), 1, "{:?}", nfs_servers(&s));
+    s.stop();
+    assert!(nfs_servers(&s).is_empty(), "{:?}", nfs_servers(&s));
+    assert_nothing_mounted(&s.state_dir.join("volumes"));
+    s.spawn();
+    sdk_script(
+        &s,
+        python,
+        "volume_lifecycle.py",
+        &["after-restart", &vol, &sbx],
+    );
+    assert!(nfs_servers(&s).is_empty(), "{:?}", nfs_servers(&s));
+    assert!(!volume_dir(&s, &vol).exists());
+    s.stop();
 }
 
 fn content_quota_restart_and_delete(python: &str) {

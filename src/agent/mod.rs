@@ -601,6 +601,27 @@ impl AgentClient {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Has the guest mount the NFS export `source` on `path` ([`Request::MountNfs`]),
+    /// waiting up to `timeout`.
+    pub fn mount_nfs(
+        &self,
+        source: &str,
+        path: &str,
+        options: &str,
+        timeout: Duration,
+    ) -> Result<(), AgentError> {
+        let request = Request::MountNfs {
+            source: source.to_string(),
+            path: path.to_string(),
+            options: options.to_string(),
+        };
+        let call = Call::open(&self.shared, &request)?;
+        match call.response(timeout, "mount_nfs")? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("mount_nfs", &other)),
+        }
+    }
+
     /// Has the guest write its filesystems' dirty data to disk, waiting up to `timeout`.
     pub fn sync(&self, timeout: Duration) -> Result<(), AgentError> {
         let call = Call::open(&self.shared, &Request::Sync)?;

@@ -16,7 +16,7 @@
 //!   other calls, and no side buffers more than [`STREAM_WINDOW`] per stream.
 //! - `Cancel` (host→guest) abandons a stream.
 //!
-//! Sequences: `Hello`/`SetTime`/`Sync`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
+//! Sequences: `Hello`/`SetTime`/`Sync`/`MountNfs`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
 //! (host sends `Credit`s) → `Data`… → `End`, or an `Error` response at any point.
 //! `WriteFile` → `UploadReady` + `Credit` → host sends `Data`… `End` → `Done` or `Error`.
 //!
@@ -290,6 +290,15 @@ pub enum Request {
     /// Flush every filesystem's dirty data to its disk (`sync(2)`), answered `Done` once
     /// done: before a filesystem-only pause drops the guest's memory.
     Sync,
+    /// Mounts the NFS export `source` (`<server>:/<export>`) on `path` (made with its
+    /// parents when missing) with `mount(2)`: type `nfs4`, `nosuid,nodev`, `options` the
+    /// kernel's own option string (`vers=4.2,addr=…,clientaddr=…`). Answered `Done`; the
+    /// guest needs no `mount` program.
+    MountNfs {
+        source: String,
+        path: String,
+        options: String,
+    },
     Exec(ExecRequest),
     ReadFile {
         path: String,

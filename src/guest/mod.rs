@@ -233,6 +233,20 @@ impl AgentServer {
                 crate::sys::guest::sync_filesystems();
                 self.sink.response(id, &Response::Done);
             }
+            Request::MountNfs {
+                source,
+                path,
+                options,
+            } => {
+                // On its own thread: an NFS mount waits on the network.
+                let sink = self.sink.clone();
+                self.spawn(id, "mount", move || {
+                    match mount_nfs(&source, &path, &options) {
+                        Ok(()) => sink.response(id, &Response::Done),
+                        Err(e) => sink.error(id, &e),
+                    }
+                });
+            }
             Request::Exec(req) => {
                 let sink = self.sink.clone();
                 let reaper = self.reaper.clone();
@@ -299,6 +313,26 @@ impl AgentServer {
             self.sink.error(id, &err);
         }
     }
+}
+
+/// Makes `path` (an absolute guest path) and mounts the NFS export `source` there.
+fn mount_nfs(source: &str, path: &str, options: &str) -> Result<(), GuestError> {
+    let target = std::path::Path::new(path);
+    if !target.is_absolute() {
+        return Err(GuestError::InvalidPath(format!(
+            "mount path {path} is not absolute"
+        )));
+    }
+    std::fs::create_dir_all(target)
+        .map_err(|e| GuestError::Io(format!("cannot make {path}: {e}")))?;
+    crate::sys::guest::mount(
+        source,
+        target,
+        "nfs4",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        options,
+    )
+    .map_err(|e| GuestError::Io(e.to_string()))
 }
 
 /// Unregisters a stream when its handler ends.

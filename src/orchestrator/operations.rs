@@ -417,6 +417,12 @@ fn restore_paused(
             info.settings.volume_mounts.clone(),
         )
     };
+    // A guest booted from its disk has no volume mounted yet (a restored one keeps its).
+    let remount = if capture.filesystem_only {
+        volumes.clone()
+    } else {
+        Vec::new()
+    };
     let dir = registry.dir(id);
     // Guest writes after the restore go to a new top layer, so a failed resume leaves the
     // paused disk exactly as captured.
@@ -449,7 +455,17 @@ fn restore_paused(
             volumes,
         },
     );
-    match started {
+    let mounted = started.and_then(|s| {
+        match super::volumes::mount_volumes(&s.runtime.agent, &remount) {
+            Ok(()) => Ok(s),
+            Err(e) => {
+                // The resume fails as a whole: the VM goes, the sandbox stays paused.
+                s.runtime.delete(StopReason::StartFailed);
+                Err(e)
+            }
+        }
+    });
+    match mounted {
         Ok(s) => Ok((s.runtime, (s.host_ip, s.netns_path))),
         Err(e) => {
             let _ = std::fs::remove_file(&top);

@@ -1,13 +1,16 @@
 //! The orchestrator's door for E2B volumes (api.md §4.27): names and sizes checked here,
-//! the store (`crate::volume`) makes, mounts and removes them.
+//! the store (`crate::volume`) makes, mounts and removes them; the guest's mounts are
+//! made here after every boot (create, and a resume that boots from disk).
 
 use super::settings::VolumeMount;
-use super::{CommandRequest, OrchError, Orchestrator, SandboxInfo};
+use super::{OrchError, Orchestrator, SandboxInfo};
+use crate::agent::{AgentClient, AgentError, ExecRequest};
 use crate::config::VolumesConfig;
 use crate::volume::nfs::Export;
 use crate::volume::{Volume, VolumeClaim, VolumeRecord};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 impl Orchestrator {
     /// `POST /volumes`: a new volume `name` of `size_mb` MiB (`[volumes] default_size_mb`
@@ -132,6 +135,9 @@ impl Orchestrator {
         &self,
         mounts: &mut [VolumeMount],
     ) -> Result<Vec<VolumeClaim>, OrchError> {
+        if !mounts.is_empty() {
+            self.shared.volumes.require_nfs()?;
+        }
         let mut claims = Vec::with_capacity(mounts.len());
         for (i, m) in mounts.iter_mut().enumerate() {
             let volume = self.shared.volumes.by_name(&m.name).ok_or_else(|| {
@@ -158,6 +164,9 @@ impl Orchestrator {
         owner: &str,
         mounts: &[VolumeMount],
     ) -> Result<Vec<VolumeClaim>, OrchError> {
+        if !mounts.is_empty() {
+            self.shared.volumes.require_nfs()?;
+        }
         mounts
             .iter()
             .map(|m| {
@@ -181,56 +190,89 @@ impl Orchestrator {
         self.claim_mounts(&format!("sandbox {id}"), &mounts)
     }
 
-    /// Mounts `mounts` in the new sandbox's guest (its slot's NFS server exports them):
-    /// `mkdir -p`, then `mount -t nfs4` from the gateway. A failure deletes the sandbox
-    /// and answers 502 with what the guest said.
+    /// Mounts `mounts` in the new sandbox's guest (its slot's NFS server exports them).
+    /// A failure deletes the sandbox and answers 502 with what the guest said.
     pub(super) fn mount_in_guest(
         &self,
         info: SandboxInfo,
         mounts: &[VolumeMount],
     ) -> Result<SandboxInfo, OrchError> {
-        for m in mounts {
-            let options = format!(
-                "vers=4.2,proto=tcp,hard,nosuid,nodev,addr={gw},clientaddr={ip}",
-                gw = crate::net::GUEST_GATEWAY,
-                ip = crate::net::GUEST_IP
-            );
-            let source = format!("{}:/{}", crate::net::GUEST_GATEWAY, m.name);
-            let steps: [(&str, Vec<&str>); 2] = [
-                ("mkdir", vec!["-p", &m.path]),
-                (
-                    "mount",
-                    vec!["-t", "nfs4", "-o", &options, &source, &m.path],
-                ),
-            ];
-            for (cmd, args) in steps {
-                let req = CommandRequest {
-                    cmd: cmd.to_string(),
-                    args: args.iter().map(|a| a.to_string()).collect(),
-                    env: Default::default(),
-                    cwd: "/".into(),
-                    timeout_ms: MOUNT_TIMEOUT_MS,
-                };
-                let failed = match self.run_command(&info.id, req) {
-                    Ok(r) if r.exit_code == 0 => None,
-                    Ok(r) => Some(format!("exit {}: {}", r.exit_code, r.stderr.trim())),
-                    Err(e) => Some(e.to_string()),
-                };
-                if let Some(why) = failed {
-                    let _ = self.delete(&info.id);
-                    return Err(OrchError::Upstream(format!(
-                        "volume {} could not be mounted at {} in the guest ({cmd} {why}); the sandbox was deleted",
-                        m.name, m.path
-                    )));
-                }
-            }
+        if mounts.is_empty() {
+            return Ok(info);
+        }
+        let entry = self.entry(&info.id)?;
+        let mounted = self
+            .agent_for(&entry, &info.id, super::Call::Commands)
+            .and_then(|agent| mount_volumes(&agent, mounts));
+        if let Err(e) = mounted {
+            let _ = self.delete(&info.id);
+            return Err(OrchError::Upstream(format!("{e}; the sandbox was deleted")));
         }
         Ok(info)
     }
 }
 
-/// Longest a guest's `mkdir` or `mount` of a volume may take.
-const MOUNT_TIMEOUT_MS: u64 = 30_000;
+/// Longest a guest's mount of a volume may take.
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Mounts each of `mounts` in a running guest from its gateway's NFS server: the agent
+/// calls `mount(2)` itself ([`AgentClient::mount_nfs`]), so the image needs no `mount`
+/// program. An agent from before that call (a guest restored from an older template)
+/// runs the image's `mount -t nfs4` instead. 502 naming the volume on a failure.
+pub(super) fn mount_volumes(agent: &AgentClient, mounts: &[VolumeMount]) -> Result<(), OrchError> {
+    let gw = crate::net::GUEST_GATEWAY;
+    // The kernel's own nfs4 options (mount.nfs would add addr= and clientaddr= itself).
+    let options = format!(
+        "vers=4.2,proto=tcp,hard,addr={gw},clientaddr={ip}",
+        ip = crate::net::GUEST_IP
+    );
+    for m in mounts {
+        let source = format!("{gw}:/{}", m.name);
+        let result = match agent.mount_nfs(&source, &m.path, &options, MOUNT_TIMEOUT) {
+            Err(AgentError::Protocol(p)) if p.contains("undecodable request") => {
+                mount_by_command(agent, &source, &m.path, &options)
+            }
+            other => other.map_err(|e| e.to_string()),
+        };
+        result.map_err(|why| {
+            OrchError::Upstream(format!(
+                "volume {} could not be mounted at {} in the guest: {why}",
+                m.name, m.path
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+/// The older agents' way: `mkdir -p`, then the image's `mount -t nfs4`.
+fn mount_by_command(
+    agent: &AgentClient,
+    source: &str,
+    path: &str,
+    options: &str,
+) -> Result<(), String> {
+    let options = format!("{options},nosuid,nodev");
+    let steps: [(&str, Vec<&str>); 2] = [
+        ("mkdir", vec!["-p", path]),
+        ("mount", vec!["-t", "nfs4", "-o", &options, source, path]),
+    ];
+    for (cmd, args) in steps {
+        let req = ExecRequest {
+            cmd: cmd.to_string(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            env: Vec::new(),
+            cwd: "/".into(),
+            timeout_ms: MOUNT_TIMEOUT.as_millis() as u64,
+            max_output_bytes: 64 * 1024,
+        };
+        match agent.exec(&req) {
+            Ok(r) if r.exit_code == 0 => {}
+            Ok(r) => return Err(format!("{cmd}: exit {}: {}", r.exit_code, r.stderr.trim())),
+            Err(e) => return Err(format!("{cmd}: {e}")),
+        }
+    }
+    Ok(())
+}
 
 /// Where `mounts`' volumes are on the host, for the sandbox's NFS server.
 pub(crate) fn exports(volumes_dir: &Path, mounts: &[VolumeMount]) -> Vec<Export> {

@@ -47,6 +47,8 @@ pub enum VolumeError {
     Disk(String),
     /// The volume is not mounted on the host (503).
     Unmounted(String),
+    /// nfs-ganesha, which serves volumes to guests, is missing or unusable (503).
+    NoNfsServer(String),
     /// A delete of a volume that sandboxes or snapshots use, or a claim of one being
     /// deleted (409).
     InUse(String),
@@ -84,7 +86,7 @@ impl VolumeError {
             VolumeError::PathNotFound(_) => 404,
             VolumeError::Exists(_) | VolumeError::InUse(_) => 409,
             VolumeError::NoSpace => 507,
-            VolumeError::Unmounted(_) => 503,
+            VolumeError::Unmounted(_) | VolumeError::NoNfsServer(_) => 503,
             VolumeError::Disk(_) | VolumeError::Io { .. } | VolumeError::Sys(_) => 500,
         }
     }
@@ -99,7 +101,10 @@ impl From<SysError> for VolumeError {
 impl fmt::Display for VolumeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            VolumeError::BadPath(m) | VolumeError::Disk(m) | VolumeError::InUse(m) => {
+            VolumeError::BadPath(m)
+            | VolumeError::Disk(m)
+            | VolumeError::InUse(m)
+            | VolumeError::NoNfsServer(m) => {
                 f.write_str(m)
             }
             VolumeError::PathNotFound(p) => write!(f, "path {p} not found in the volume"),
@@ -262,6 +267,8 @@ pub struct VolumeStore {
     by_id: RwLock<BTreeMap<String, Arc<Volume>>>,
     /// Names of volumes and of creates in progress.
     names: Mutex<HashSet<String>>,
+    /// Why guests cannot mount volumes on this host (nfs-ganesha missing), found at load.
+    nfs_unusable: Option<String>,
 }
 
 impl VolumeStore {
@@ -295,10 +302,32 @@ impl VolumeStore {
                 }
             }
         }
+        let nfs_unusable = match nfs::check_installed() {
+            Ok(release) => {
+                log::info!("op=preflight component=nfs-ganesha release={release}");
+                None
+            }
+            Err(why) => {
+                log::warn!(
+                    "op=preflight component=nfs-ganesha result=unusable volumes={} reason=\"{why}\"",
+                    by_id.len()
+                );
+                Some(why)
+            }
+        };
         VolumeStore {
             dir,
             by_id: RwLock::new(by_id),
             names: Mutex::new(names),
+            nfs_unusable,
+        }
+    }
+
+    /// [`VolumeError::NoNfsServer`] when guests cannot mount volumes on this host.
+    pub fn require_nfs(&self) -> Result<(), VolumeError> {
+        match &self.nfs_unusable {
+            None => Ok(()),
+            Some(why) => Err(VolumeError::NoNfsServer(why.clone())),
         }
     }
 

@@ -45,6 +45,48 @@ pub const GANESHA: &str = "/usr/bin/ganesha.nfsd";
 const PLUGINS: &str = "/usr/lib/x86_64-linux-gnu/ganesha";
 use crate::net::GUEST_NFS_PORT as NFS_PORT;
 
+/// What to tell the operator when ganesha is missing or unusable.
+const INSTALL: &str = "install Debian's nfs-ganesha and nfs-ganesha-vfs (scripts/setup.sh does): sandboxes cannot mount volumes until then";
+
+/// Whether `program` (ganesha) runs here and its VFS backend is in `plugins`: its release
+/// (`ganesha.nfsd -v`), or the one line that says what is wrong and what to install.
+pub fn check_usable(program: &Path, plugins: &Path) -> Result<String, String> {
+    let out = Command::new(program)
+        .arg("-v")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}; {INSTALL}", program.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let release = text
+        .lines()
+        .find_map(|l| l.split_once("Release = "))
+        .map(|(_, r)| r.trim().to_string());
+    let release = match (out.status.success(), release) {
+        (true, Some(r)) => r,
+        _ => {
+            return Err(format!(
+                "{} -v failed ({}): {}; {INSTALL}",
+                program.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    };
+    let vfs = plugins.join("libfsalvfs.so");
+    if !vfs.is_file() {
+        return Err(format!(
+            "ganesha's VFS backend {} is missing; {INSTALL}",
+            vfs.display()
+        ));
+    }
+    Ok(release)
+}
+
+/// [`check_usable`] for the installed ganesha.
+pub fn check_installed() -> Result<String, String> {
+    check_usable(Path::new(GANESHA), Path::new(PLUGINS))
+}
+
 /// One exported volume: the guest mounts `<gateway>:/<name>`.
 #[derive(Debug, Clone)]
 pub struct Export {
@@ -148,9 +190,7 @@ impl NfsServer {
             },
         );
         let child = cmd.spawn().map_err(|e| {
-            VolumeError::Disk(format!(
-                "cannot start {GANESHA}: {e}; install nfs-ganesha and nfs-ganesha-vfs"
-            ))
+            VolumeError::NoNfsServer(format!("cannot start {GANESHA}: {e}; {INSTALL}"))
         })?;
         let mut server = NfsServer { child };
         server.wait_listening(dir, netns)?;
@@ -198,5 +238,27 @@ impl NfsServer {
             Ok(Some(status)) => Err(format!("ganesha exited ({status})")),
             Err(e) => Err(format!("ganesha: {e}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_ganesha_or_backend_says_what_to_install() {
+        let e =
+            check_usable(Path::new("/nonexistent/ganesha.nfsd"), Path::new(PLUGINS)).unwrap_err();
+        assert!(
+            e.contains("install Debian's nfs-ganesha and nfs-ganesha-vfs"),
+            "{e}"
+        );
+        // `true -v` runs but is no ganesha.
+        let e = check_usable(Path::new("/bin/true"), Path::new(PLUGINS)).unwrap_err();
+        assert!(e.contains("-v failed") && e.contains("nfs-ganesha"), "{e}");
+        let release = check_installed().expect("scripts/setup.sh installs nfs-ganesha");
+        assert!(release.starts_with('V'), "{release}");
+        let e = check_usable(Path::new(GANESHA), Path::new("/nonexistent")).unwrap_err();
+        assert!(e.contains("libfsalvfs.so is missing"), "{e}");
     }
 }
