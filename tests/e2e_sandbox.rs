@@ -49,7 +49,7 @@ fn sandboxes_end_to_end() {
     let b_id = b["sandboxID"].as_str().unwrap().to_string();
     assert_eq!(a["templateID"], base_image());
     assert_eq!(a["clientID"], "");
-    assert_eq!(a["envdVersion"], "0.6.3");
+    assert_eq!(a["envdVersion"], "0.6.4");
 
     commands(&server, &a_id);
     guest_cmdline(&server, &a_id);

@@ -76,7 +76,7 @@ fn control_plane_and_envd_routing(s: &Server) {
     let id = created["sandboxID"].as_str().unwrap().to_string();
     let token = created["envdAccessToken"].as_str().unwrap().to_string();
     assert_eq!(token.len(), 64, "{created}");
-    assert_eq!(created["envdVersion"], "0.6.3");
+    assert_eq!(created["envdVersion"], "0.6.4");
 
     // get_info carries the token; the list does not.
     let (code, detail) = s.call("GET", &format!("/sandboxes/{id}"), None);

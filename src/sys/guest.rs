@@ -59,6 +59,17 @@ pub fn mount(
     check(ret, op).map(drop)
 }
 
+/// The file system type of `path` (`statfs(2)`'s `f_type`, e.g. `NFS_SUPER_MAGIC`).
+pub fn filesystem_type(path: &Path) -> SysResult<i64> {
+    let c_path = cstring("statfs", path)?;
+    // SAFETY: an all-zero `statfs` is a valid value; statfs fills it.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is a valid C string and `st` is writable for the call.
+    let ret = unsafe { libc::statfs(c_path.as_ptr(), &mut st) };
+    check(ret, || format!("statfs {}", path.display()))?;
+    Ok(st.f_type as i64)
+}
+
 /// `umount2(2)` with the given flags (e.g. `MNT_DETACH`).
 pub fn umount(target: &Path, flags: libc::c_int) -> SysResult<()> {
     let c_target = cstring("umount", target)?;

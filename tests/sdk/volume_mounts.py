@@ -8,9 +8,11 @@ server lacks CAP_MKNOD), a FIFO is made, listed as `unknown` and refused (400 na
 by the content API's read and write, which never block on it. A snapshot of a sandbox
 with a volume holds the volume (409 naming the snapshot on delete, also once its sandbox
 is gone); a sandbox created from the snapshot and a fork of that one have it mounted
-again. Prints `ok id-volume <id>` for the test."""
+again. A watch on the mount needs allow_network_mounts (envd 0.6.4) and then sees the
+sandbox's own writes. Prints `ok id-volume <id>` for the test."""
 
 import os
+import time
 
 import httpx
 
@@ -52,6 +54,24 @@ def special_files(vol, sbx):
         ok(f"content {method} {kind} of the FIFO is 400 naming it",
            r.status_code == 400 and "/fifo is a FIFO" in r.json()["message"], (r.status_code, r.text))
     ok("the content API removes it", content(vol, "DELETE", "path", "/fifo").status_code == 204)
+
+
+def watch_on_the_mount(sbx):
+    """envd 0.6.4: a watch on a volume's NFS mount needs allow_network_mounts; it then
+    sees what this sandbox does there."""
+    e = raises("watch_dir of a volume's mount", Exception, lambda: sbx.files.watch_dir("/mnt/data"))
+    ok("... refused naming the network mount", "network file system mount (NFS)" in str(e), str(e))
+    handle = sbx.files.watch_dir("/mnt/data", allow_network_mounts=True)
+    run(sbx, "echo w > /mnt/data/watched.txt")
+    seen = []
+    for _ in range(50):
+        seen += [ev for ev in handle.get_new_events() if ev.name == "watched.txt"]
+        if seen:
+            break
+        time.sleep(0.1)
+    ok("with allow_network_mounts the watch sees the sandbox's own write", seen, seen)
+    handle.stop()
+    run(sbx, "rm /mnt/data/watched.txt")
 
 
 def snapshot_and_fork(vol, two):
@@ -115,6 +135,7 @@ def body():
     e = raises("delete mounted volume", VolumeException, lambda: Volume.destroy(vol.volume_id))
     ok("delete mounted is 409", str(e).startswith("409: "), str(e))
     special_files(vol, one)
+    watch_on_the_mount(one)
     snap = snapshot_and_fork(vol, two)
 
     one.pause()

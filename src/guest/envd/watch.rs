@@ -6,6 +6,11 @@
 //! → WRITE, deleted → REMOVE, moved away → RENAME, attributes changed → CHMOD. Names are
 //! relative to the watched directory.
 //!
+//! A directory on a network file system (NFS, as volumes are, SMB/CIFS, FUSE) is refused
+//! unless the request sets `allowNetworkMounts` (envd 0.6.4): inotify there reports only
+//! what this guest does, never writes by other clients of the same server. The check is on
+//! the watched directory; a recursive watch includes what is mounted below it.
+//!
 //! Bounds: [`MAX_WATCHES`] watches at once (streams and polled ones together), each
 //! recursive watch covers at most [`MAX_DIRS`] directories, and a polled watcher queues
 //! at most [`MAX_QUEUED`] events (more is an error the next poll reports).
@@ -53,6 +58,26 @@ struct WatchRequest {
     recursive: bool,
     #[serde(default, alias = "include_entry")]
     include_entry: bool,
+    #[serde(default, alias = "allow_network_mounts")]
+    allow_network_mounts: bool,
+}
+
+/// `statfs` types of network file systems, which inotify sees only the local side of.
+const NETWORK_FILESYSTEMS: [(i64, &str); 5] = [
+    (0x6969, "NFS"),
+    (0x517B, "SMB"),
+    (0xFF53_4D42, "CIFS"),
+    (0xFE53_4D42, "SMB2"),
+    (0x6573_5546, "FUSE"),
+];
+
+/// The network file system `path` is on, if any.
+fn network_filesystem(path: &Path) -> Option<&'static str> {
+    let kind = crate::sys::guest::filesystem_type(path).ok()?;
+    NETWORK_FILESYSTEMS
+        .iter()
+        .find(|(magic, _)| *magic == kind)
+        .map(|(_, name)| *name)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -241,6 +266,15 @@ fn open_watch(envd: &Envd, call: &Call, req: &WatchRequest) -> Result<Watch, Rpc
                 path.display()
             )))
         }
+    }
+    if let Some(fs) = network_filesystem(&path).filter(|_| !req.allow_network_mounts) {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            format!(
+                "path {} is on a network file system mount ({fs}): its watch would miss changes made by other clients; set allow_network_mounts to watch it anyway",
+                path.display()
+            ),
+        ));
     }
     Watch::new(path, req.recursive, req.include_entry)
 }
