@@ -379,6 +379,7 @@ fn guests_reach_the_internet_by_default_and_nothing_of_the_host() {
         "TCP to the forwarder"
     );
     assert!(!tcp_opens(&s, &open, &host_ip_of(&s, &closed), "49983"));
+    refusals_are_counted_once_each(&s, &open, &closed);
 
     // allowInternetAccess: false → neither the internet nor names.
     closed_is_closed(&s, &net, &closed);
@@ -579,8 +580,17 @@ fn allow_out_domains_are_matched_on_sni_and_host() {
     );
 }
 
-/// The newest metrics sample's (egressBytes, egressRefused) of a running sandbox.
-fn egress_counts(s: &Server, id: &str) -> (u64, u64) {
+/// One metrics sample's egress counts (api.md §4.21).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Egress {
+    at_unix: u64,
+    bytes: u64,
+    refused: u64,
+    protected: u64,
+}
+
+/// The newest metrics sample's egress counts of a running sandbox.
+fn egress_counts(s: &Server, id: &str) -> Egress {
     let (code, v) = s.call("GET", &format!("/sandboxes/{id}/metrics"), None);
     assert_eq!(code, 200, "{v}");
     let last = v
@@ -588,34 +598,100 @@ fn egress_counts(s: &Server, id: &str) -> (u64, u64) {
         .and_then(|a| a.last())
         .cloned()
         .unwrap_or_default();
-    (
-        last["egressBytes"].as_u64().unwrap_or(0),
-        last["egressRefused"].as_u64().unwrap_or(0),
-    )
+    let n = |k: &str| last[k].as_u64().unwrap_or(0);
+    Egress {
+        at_unix: n("timestampUnix"),
+        bytes: n("egressBytes"),
+        refused: n("egressRefused"),
+        protected: n("egressRefusedProtected"),
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// The counts of the first sample taken after this call (samples come every 5 s), so
+/// that everything the test did before is in them.
+fn counts_from_now(s: &Server, id: &str) -> Egress {
+    let since = unix_now();
+    let mut now = Egress::default();
+    let sampled = wait_until(Duration::from_secs(30), || {
+        now = egress_counts(s, id);
+        now.at_unix > since
+    });
+    assert!(sampled, "no metrics sample of {id} after {since}: {now:?}");
+    now
+}
+
+/// `n` TCP connections from the guest to `ip:port`, each refused at once (busybox nc).
+fn refused_connects(s: &Server, id: &str, ip: &str, port: &str, n: u32) {
+    let (code, out) = guest(
+        s,
+        id,
+        &format!(
+            "ok=0; for i in $(seq {n}); do nc -w 2 {ip} {port} </dev/null && ok=1; done; exit $ok"
+        ),
+    );
+    assert_eq!(code, 0, "a connection to {ip}:{port} opened: {out}");
+}
+
+/// Refused connections count once each (the refusal is a reset, so no SYN is retried),
+/// apart by kind: to a denied range (refused in the slot), to a host address outside the
+/// denied ranges (the host's end of the test link, refused by the root table) and to the
+/// slot's gateway count as protected; to a `denyOut` destination, and from a sandbox
+/// without internet access, as refused by the policy.
+fn refusals_are_counted_once_each(s: &Server, open: &str, closed: &str) {
+    let (open0, closed0) = (counts_from_now(s, open), counts_from_now(s, closed));
+    let (code, v) = put_network(s, open, json!({"denyOut": [format!("{OTHER}/32")]}));
+    assert_eq!(code, 204, "{v}");
+    refused_connects(s, open, PRIVATE_DENIED, "80", 3);
+    refused_connects(s, open, ROOT_END, "80", 2);
+    refused_connects(s, open, "169.254.0.22", "80", 1);
+    refused_connects(s, open, OTHER, "80", 4);
+    refused_connects(s, closed, WEB, "80", 3);
+    refused_connects(s, closed, "169.254.0.22", "80", 2);
+    let (code, v) = put_network(s, open, json!({}));
+    assert_eq!(code, 204, "{v}");
+    let (open1, closed1) = (counts_from_now(s, open), counts_from_now(s, closed));
+    let moved = |a: Egress, b: Egress| (b.refused - a.refused, b.protected - a.protected);
+    assert_eq!(moved(open0, open1), (4, 6), "{open0:?} → {open1:?}");
+    assert_eq!(moved(closed0, closed1), (3, 2), "{closed0:?} → {closed1:?}");
+    assert_metric(
+        s,
+        open,
+        "agentenv_sandbox_egress_refused_protected_total",
+        open1.protected,
+    );
+}
+
+/// `/metrics` shows `name` with the sandbox's label and at least `min`.
+fn assert_metric(s: &Server, id: &str, name: &str, min: u64) {
+    let (_, text) = s.call("GET", "/metrics", None);
+    let text = text.as_str().unwrap_or_default().to_string();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{sandbox=\"{id}\"}} ")))
+        .unwrap_or_else(|| panic!("no {name} for {id} in /metrics:\n{text}"));
+    let n: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= min, "{line}");
 }
 
 /// Both counters grew past `before` in the sandbox's samples (taken every 5 s), and
 /// `/metrics` shows them with the sandbox's label.
-fn counters_moved(s: &Server, id: &str, before: (u64, u64)) {
+fn counters_moved(s: &Server, id: &str, before: Egress) {
     let mut now = before;
     let grew = wait_until(Duration::from_secs(30), || {
         now = egress_counts(s, id);
-        now.0 > before.0 && now.1 > before.1
+        now.bytes > before.bytes && now.refused > before.refused
     });
     assert!(grew, "egress counters did not move: {before:?} → {now:?}");
-    let (_, text) = s.call("GET", "/metrics", None);
-    let text = text.as_str().unwrap_or_default().to_string();
-    for name in [
-        "agentenv_sandbox_egress_bytes_total",
-        "agentenv_sandbox_egress_refused_total",
-    ] {
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(&format!("{name}{{sandbox=\"{id}\"}} ")))
-            .unwrap_or_else(|| panic!("no {name} for {id} in /metrics:\n{text}"));
-        let n: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!(n > 0, "{line}");
-    }
+    assert_metric(s, id, "agentenv_sandbox_egress_bytes_total", 1);
+    assert_metric(s, id, "agentenv_sandbox_egress_refused_total", 1);
+    assert_metric(s, id, "agentenv_sandbox_egress_refused_protected_total", 0);
 }
 
 /// allowOut [NAME, *.sub.egress.test], denyOut 0.0.0.0/0: the allowed names over TLS

@@ -232,6 +232,7 @@ pub fn sandbox_metric(s: &GuestSample) -> Value {
         "diskTotal": s.disk_total,
         "egressBytes": s.egress_bytes,
         "egressRefused": s.egress_refused,
+        "egressRefusedProtected": s.egress_refused_protected,
     })
 }
 

@@ -86,8 +86,38 @@ pub fn domain_matches(pattern: &str, name: &str) -> bool {
 #[derive(Debug, Default)]
 pub(crate) struct FilterCounts {
     pub refused: AtomicU64,
+    pub refused_protected: AtomicU64,
     pub bytes_out: AtomicU64,
     pub bytes_in: AtomicU64,
+}
+
+/// What a filter counted so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FilterTotals {
+    /// Connections closed by the policy (no name, a name not allowed, unreachable, over
+    /// the limit).
+    pub refused: u64,
+    /// Connections whose allowed name resolved only to addresses always refused (§5.4).
+    pub refused_protected: u64,
+    /// Guest→internet bytes relayed.
+    pub bytes_out: u64,
+    /// Internet→guest bytes relayed.
+    pub bytes_in: u64,
+}
+
+/// Why a filtered connection was closed, for its count and its log line.
+struct Refusal {
+    protected: bool,
+    why: String,
+}
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Refusal {
+        Refusal {
+            protected: false,
+            why,
+        }
+    }
 }
 
 struct Shared {
@@ -159,14 +189,16 @@ impl DomainFilter {
         }
     }
 
-    /// (refused, guest→internet bytes, internet→guest bytes) through this filter.
-    pub fn counts(&self) -> (u64, u64, u64) {
-        self.shared.as_ref().map_or((0, 0, 0), |s| {
-            (
-                s.counts.refused.load(Ordering::Relaxed),
-                s.counts.bytes_out.load(Ordering::Relaxed),
-                s.counts.bytes_in.load(Ordering::Relaxed),
-            )
+    /// What this filter counted since it started.
+    pub fn counts(&self) -> FilterTotals {
+        self.shared.as_ref().map_or(FilterTotals::default(), |s| {
+            let c = &s.counts;
+            FilterTotals {
+                refused: c.refused.load(Ordering::Relaxed),
+                refused_protected: c.refused_protected.load(Ordering::Relaxed),
+                bytes_out: c.bytes_out.load(Ordering::Relaxed),
+                bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            }
         })
     }
 }
@@ -219,9 +251,13 @@ fn admit(s: &Arc<Shared>, conn: TcpStream, kind: Inspected) {
     let spawned = std::thread::Builder::new()
         .name("egress-conn".into())
         .spawn(move || {
-            if let Err(why) = serve(&sh, conn, kind) {
-                sh.counts.refused.fetch_add(1, Ordering::Relaxed);
-                log::info!("slot={} op=egress_refused {why}", sh.slot);
+            if let Err(r) = serve(&sh, conn, kind) {
+                let count = match r.protected {
+                    true => &sh.counts.refused_protected,
+                    false => &sh.counts.refused,
+                };
+                count.fetch_add(1, Ordering::Relaxed);
+                log::info!("slot={} op=egress_refused {}", sh.slot, r.why);
             }
             sh.open.fetch_sub(1, Ordering::AcqRel);
         });
@@ -233,16 +269,19 @@ fn admit(s: &Arc<Shared>, conn: TcpStream, kind: Inspected) {
 
 /// One redirected connection: its name, the policy's verdict, the host's address for the
 /// name, then the relay. An `Err` is a refusal (the guest's connection is closed).
-fn serve(s: &Arc<Shared>, mut conn: TcpStream, kind: Inspected) -> Result<(), String> {
+fn serve(s: &Arc<Shared>, mut conn: TcpStream, kind: Inspected) -> Result<(), Refusal> {
     let (head, name) = read_name(&mut conn, kind)?;
     let allowed = s.domains.read().iter().any(|d| domain_matches(d, &name));
     if !allowed {
-        return Err(format!("name={name:?} reason=not_allowed"));
+        return Err(format!("name={name:?} reason=not_allowed").into());
     }
     let addrs = resolve_v4(&name, &s.cfg.resolvers, RESOLVE_TIMEOUT)
         .map_err(|e| format!("name={name:?} reason=resolve error=\"{e}\""))?;
     let Some(ip) = addrs.into_iter().find(|ip| !s.cfg.policy.refuses(*ip)) else {
-        return Err(format!("name={name:?} reason=no_allowed_address"));
+        return Err(Refusal {
+            protected: true,
+            why: format!("name={name:?} reason=no_allowed_address"),
+        });
     };
     let to = SocketAddr::from((ip, kind.upstream_port()));
     let mut upstream = netns::with_netns(&s.ns, || {

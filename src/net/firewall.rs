@@ -58,7 +58,8 @@ impl FirewallPolicy {
     /// The outbound rules after `from` (a match on the guest's new connections): the
     /// always-denied ranges, the denied ones unless allowed, the sandbox's own chain
     /// (`jump`), then accept.
-    /// `drop` is the verdict statement (with the slot's refusal counter there).
+    /// `drop` is the verdict statement for the protected destinations (in the slot, a
+    /// jump to its counted refusal).
     fn outbound_rules(&self, s: &mut String, from: &str, jump: Option<&str>, drop: &str) {
         let _ = writeln!(
             s,
@@ -89,12 +90,43 @@ pub const MAX_GUEST_CONNECTIONS: u32 = 8192;
 
 /// Name of the per-sandbox chain in the slot's table (network.md §5.6).
 const EGRESS_CHAIN: &str = "egress";
-/// Named counters of the slot's table (network.md §5.8): bytes the guest sent out, and
-/// new outbound connections (their packets) the slot dropped.
+/// Named counters of the slot's table (network.md §5.8): bytes the guest sent out; new
+/// outbound connections refused by the sandbox's policy (`denyOut`, no internet access,
+/// the connection limit); new connections to what is always refused (the slot itself,
+/// other sandboxes, the denied ranges).
 pub(crate) const EGRESS_BYTES: &str = "egress_bytes";
 pub(crate) const REFUSED: &str = "refused";
-/// The slot's drop verdict for a guest's new connection, counted.
-const REFUSE: &str = "counter name \"refused\" drop";
+pub(crate) const REFUSED_PROTECTED: &str = "refused_protected";
+/// The slot's verdict for a guest's new connection its policy refuses: counted, then
+/// rejected (a TCP reset, else ICMP admin-prohibited), so a client fails at once and does
+/// not retry: one refused connection counts once.
+pub(crate) const REFUSE: &str = "jump refuse";
+/// The same for a destination that is always refused, counted apart.
+const REFUSE_PROTECTED: &str = "jump refuse_protected";
+/// The root table's set of per-slot refusals of host addresses (§5.8): one element per
+/// slot's host interaction address (the source of its guest's packets after the slot's
+/// SNAT), each with its own counter.
+pub(crate) const ROOT_REFUSALS_SET: &str = "refused_protected";
+
+/// A chain that counts a refusal in `counter` and rejects it (ip family).
+fn refusal_chain(chain: &str, counter: &str) -> String {
+    format!(
+        "\tchain {chain} {{\n\
+         \t\tcounter name \"{counter}\"\n\
+         \t\tmeta l4proto tcp reject with tcp reset\n\
+         \t\treject with icmp type admin-prohibited\n\
+         \t}}\n"
+    )
+}
+
+/// Forgets the root table's refusal count of the slot at `host_ip`, whether or not it
+/// has one (adding an element that exists is no error; the delete then removes it).
+pub(crate) fn forget_root_refusals(host_ip: std::net::Ipv4Addr) -> String {
+    format!(
+        "add element inet agentenv {ROOT_REFUSALS_SET} {{ {host_ip} }}\n\
+         delete element inet agentenv {ROOT_REFUSALS_SET} {{ {host_ip} }}\n"
+    )
+}
 
 /// Name of the per-sandbox NAT chain that hands connections to the domain filter (§5.7).
 const EGRESS_NAT_CHAIN: &str = "egress_nat";
@@ -207,7 +239,7 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
          \t\ttype filter hook input priority filter; policy accept;\n\
          \t\tiifname \"{TAP_NAME}\" ip daddr {GUEST_GATEWAY} tcp dport {GUEST_NFS_PORT} accept\n\
          \t\tiifname \"{TAP_NAME}\" ct status dnat tcp dport {{ {HTTP_FILTER_PORT}, {TLS_FILTER_PORT} }} accept\n\
-         \t\tiifname \"{TAP_NAME}\" ct state new {REFUSE}\n\
+         \t\tiifname \"{TAP_NAME}\" ct state new {REFUSE_PROTECTED}\n\
          \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy drop;\n\
@@ -225,16 +257,33 @@ pub(crate) fn slot_ruleset(l: &SlotLayout, p: &FirewallPolicy) -> String {
         if let Some(port) = p.dns_port {
             let _ = writeln!(s, "\t\t{from} ip daddr {link} udp dport {port} accept");
         }
-        p.outbound_rules(&mut s, &from, Some(EGRESS_CHAIN), REFUSE);
+        p.outbound_rules(&mut s, &from, Some(EGRESS_CHAIN), REFUSE_PROTECTED);
     }
     let _ = writeln!(s, "\t\tiifname \"{TAP_NAME}\" ct state new {REFUSE}");
     let _ = write!(
         s,
         "\t}}\n\tchain {EGRESS_CHAIN} {{\n\t}}\n\tchain {EGRESS_NAT_CHAIN} {{\n\t}}\n\
-         \tcounter {EGRESS_BYTES} {{\n\t}}\n\tcounter {REFUSED} {{\n\t}}\n}}\n"
+         {}{}\
+         \tcounter {EGRESS_BYTES} {{\n\t}}\n\tcounter {REFUSED} {{\n\t}}\n\
+         \tcounter {REFUSED_PROTECTED} {{\n\t}}\n}}\n",
+        refusal_chain("refuse", REFUSED),
+        refusal_chain("refuse_protected", REFUSED_PROTECTED),
     );
     s
 }
+
+/// The root table's refusals of the host's own addresses (§5.2): counted per slot in
+/// [`ROOT_REFUSALS_SET`] by the source address, then rejected as in the slots. Bounded by
+/// the host interaction range (one element per slot).
+const ROOT_REFUSALS: &str = "\tset refused_protected {\n\
+     \t\ttype ipv4_addr; size 65536; flags dynamic; counter;\n\
+     \t}\n\
+     \tchain refuse_protected {\n\
+     \t\tmeta nfproto != ipv4 drop\n\
+     \t\tupdate @refused_protected { ip saddr }\n\
+     \t\tmeta l4proto tcp reject with tcp reset\n\
+     \t\treject with icmpx type admin-prohibited\n\
+     \t}\n";
 
 /// The root namespace's table, replacing any earlier copy in one transaction.
 pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
@@ -257,8 +306,10 @@ pub(crate) fn root_ruleset(p: &FirewallPolicy) -> String {
          \t\ttype filter hook input priority filter; policy accept;\n\
          \t\tiifname {a} ct state established,related accept\n\
          {dns_in}\
+         \t\tiifname {a} ct state new jump refuse_protected\n\
          \t\tiifname {a} drop\n\
          \t}}\n\
+         {ROOT_REFUSALS}\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy accept;\n\
          \t\tiifname {a} oifname {a} drop\n\
@@ -333,16 +384,26 @@ mod tests {
             "iifname \"tap0\" ip daddr 169.254.0.22 udp dport 53 dnat to 198.19.0.14:5300"
         ));
         assert!(on.contains("ct state new ip daddr 198.19.0.14 udp dport 5300 accept"));
-        assert!(
-            on.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } counter name \"refused\" drop")
-        );
+        assert!(on.contains("ip daddr { 198.18.0.0/16, 198.19.0.0/16 } jump refuse_protected"));
         assert!(on.contains("iifname \"tap0\" oifname \"veth0\" ct state new accept"));
-        // Counted: what the guest sends out, and every refusal of a new connection.
+        // Counted: what the guest sends out, and every refusal of a new connection, which
+        // is rejected so that a client does not retry (one connection, one count).
         assert!(on.contains("oifname \"veth0\" counter name \"egress_bytes\"\n\t\tct state"));
-        assert!(on.contains("\tcounter egress_bytes {\n\t}\n\tcounter refused {\n\t}\n"));
-        assert!(
-            off.contains("\t\tiifname \"tap0\" ct state new counter name \"refused\" drop\n\t}")
-        );
+        assert!(on.contains(
+            "\tcounter egress_bytes {\n\t}\n\tcounter refused {\n\t}\n\tcounter refused_protected {\n\t}\n"
+        ));
+        assert!(off.contains("\t\tiifname \"tap0\" ct state new jump refuse\n\t}"));
+        assert!(off.contains("\t\tiifname \"tap0\" ct state new jump refuse_protected\n\t}"));
+        for (chain, counter) in [
+            ("refuse", "refused"),
+            ("refuse_protected", "refused_protected"),
+        ] {
+            assert!(on.contains(&format!(
+                "\tchain {chain} {{\n\t\tcounter name \"{counter}\"\n\
+                 \t\tmeta l4proto tcp reject with tcp reset\n\
+                 \t\treject with icmp type admin-prohibited\n\t}}\n"
+            )));
+        }
     }
 
     #[test]
@@ -367,7 +428,7 @@ mod tests {
         );
         let jump = on.find("ct state new jump egress").unwrap();
         assert!(jump < on.rfind("oifname \"veth0\" ct state new accept").unwrap());
-        assert!(on.contains("ct state new ct count over 8192 counter name \"refused\" drop"));
+        assert!(on.contains("ct state new ct count over 8192 jump refuse\n"));
         assert!(on.contains("\tchain egress {\n\t}\n"));
         let mut r = EgressRules {
             allow: vec![Cidr::parse("203.0.113.10/32").unwrap()],
@@ -380,7 +441,7 @@ mod tests {
             format!(
                 "{flush}\
                  add rule ip agentenv egress ip daddr {{ 203.0.113.10/32 }} return\n\
-                 add rule ip agentenv egress ip daddr {{ 0.0.0.0/0 }} counter name \"refused\" drop\n"
+                 add rule ip agentenv egress ip daddr {{ 0.0.0.0/0 }} jump refuse\n"
             )
         );
         assert_eq!(EgressRules::default().chain_update(), flush);
@@ -423,6 +484,16 @@ mod tests {
         let on = root_ruleset(&policy(true));
         assert!(on.contains("ip saddr 198.18.0.0/16 oifname != \"aenv-*\" masquerade"));
         assert!(on.contains("iifname \"aenv-*\" ip saddr 198.18.0.0/16 udp dport 5300 accept"));
-        assert!(on.contains("\t\tudp dport 5300 drop\n\t\tiifname \"aenv-*\" drop"));
+        // Host addresses: counted per slot (by its SNAT address) and rejected.
+        assert!(on.contains(
+            "\t\tudp dport 5300 drop\n\t\tiifname \"aenv-*\" ct state new jump refuse_protected\n\
+             \t\tiifname \"aenv-*\" drop\n"
+        ));
+        assert!(on.contains("update @refused_protected { ip saddr }\n"));
+        assert_eq!(
+            forget_root_refusals("198.18.0.7".parse().unwrap()),
+            "add element inet agentenv refused_protected { 198.18.0.7 }\n\
+             delete element inet agentenv refused_protected { 198.18.0.7 }\n"
+        );
     }
 }

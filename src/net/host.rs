@@ -3,6 +3,7 @@
 //! implementation.
 
 use super::filter::{DomainFilter, FilterConfig};
+use super::firewall::ROOT_REFUSALS_SET;
 use super::layout::{
     parse_index, SlotLayout, GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_PREFIX, LINK_PREFIX,
     NS_FILE_PREFIX, TAP_MAC, TAP_NAME, VETH_NS_NAME,
@@ -92,6 +93,9 @@ pub(crate) trait NetHost: Send + Sync + 'static {
     /// The slot table's named counters inside the namespace file `ns` (network.md §5.8):
     /// (name, packets, bytes) each.
     fn read_counters(&self, ns: &Path) -> Result<Vec<(String, u64, u64)>, NetError>;
+    /// The root table's count of refused connections to host addresses from the slot
+    /// whose host interaction address is `host_ip` (network.md §5.8); 0 when it has none.
+    fn read_root_refusals(&self, host_ip: Ipv4Addr) -> Result<u64, NetError>;
     /// Starts the domain filter of the slot `l` (network.md §5.7).
     fn start_filter(
         &self,
@@ -117,6 +121,21 @@ pub(crate) fn parse_counters(json: &[u8]) -> Result<Vec<(String, u64, u64)>, Net
             ))
         })
         .collect())
+}
+
+/// The packet count of `host_ip`'s element in `nft -j list set` output (0 when absent).
+pub(crate) fn parse_set_count(json: &[u8], host_ip: Ipv4Addr) -> Result<u64, NetError> {
+    let v: serde_json::Value = serde_json::from_slice(json)
+        .map_err(|e| NetError::Firewall(format!("nft -j output: {e}")))?;
+    let want = host_ip.to_string();
+    let items = v["nftables"].as_array().cloned().unwrap_or_default();
+    Ok(items
+        .iter()
+        .filter_map(|i| i["set"]["elem"].as_array().cloned())
+        .flatten()
+        .filter(|e| e["elem"]["val"].as_str() == Some(want.as_str()))
+        .filter_map(|e| e["elem"]["counter"]["packets"].as_u64())
+        .sum())
 }
 
 /// An `nft` run in progress. Dropping it without [`RulesetLoad::wait`] kills and reaps
@@ -167,6 +186,28 @@ pub(crate) struct RealHost {
 }
 
 impl RealHost {
+    /// `nft -j <args>` inside the namespace file `ns` (root when `None`): its stdout.
+    fn nft_json(&self, ns: Option<&Path>, args: &[&str]) -> Result<Vec<u8>, NetError> {
+        let ns_file = ns.map(netns::open).transpose()?;
+        let mut cmd = Command::new(&self.nft);
+        cmd.arg("-j").args(args).stdin(Stdio::null()).env_clear();
+        if let Some(f) = &ns_file {
+            netns::spawn_in_netns(&mut cmd, f);
+        }
+        let out = cmd
+            .output()
+            .map_err(|e| NetError::Firewall(format!("cannot run {}: {e}", self.nft.display())))?;
+        if !out.status.success() {
+            return Err(NetError::Firewall(format!(
+                "nft {} exited with {}: {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(out.stdout)
+    }
+
     pub fn new() -> RealHost {
         let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft", "/bin/nft"]
             .iter()
@@ -399,22 +440,31 @@ impl NetHost for RealHost {
     }
 
     fn read_counters(&self, ns: &Path) -> Result<Vec<(String, u64, u64)>, NetError> {
-        let ns_file = netns::open(ns)?;
-        let mut cmd = Command::new(&self.nft);
-        cmd.args(["-j", "list", "counters", "table", "ip", "agentenv"])
-            .stdin(Stdio::null())
-            .env_clear();
-        netns::spawn_in_netns(&mut cmd, &ns_file);
-        let out = cmd
-            .output()
-            .map_err(|e| NetError::Firewall(format!("cannot run {}: {e}", self.nft.display())))?;
-        if !out.status.success() {
-            return Err(NetError::Firewall(format!(
-                "nft list counters exited with {}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        parse_counters(&out.stdout)
+        let out = self.nft_json(Some(ns), &["list", "counters", "table", "ip", "agentenv"])?;
+        parse_counters(&out)
+    }
+
+    fn read_root_refusals(&self, host_ip: Ipv4Addr) -> Result<u64, NetError> {
+        let set = ["list", "set", "inet", "agentenv", ROOT_REFUSALS_SET];
+        parse_set_count(&self.nft_json(None, &set)?, host_ip)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_refusal_count_is_read_from_its_element_of_the_root_set() {
+        let json = br#"{"nftables": [{"metainfo": {"version": "1.0.6"}},
+            {"set": {"family": "inet", "name": "refused_protected", "table": "agentenv",
+             "elem": [{"elem": {"val": "198.18.0.7", "counter": {"packets": 3, "bytes": 180}}},
+                      {"elem": {"val": "198.18.0.8", "counter": {"packets": 9, "bytes": 540}}}]}}]}"#;
+        let ip = |s: &str| s.parse().unwrap();
+        assert_eq!(parse_set_count(json, ip("198.18.0.7")).unwrap(), 3);
+        assert_eq!(parse_set_count(json, ip("198.18.0.9")).unwrap(), 0);
+        let empty = br#"{"nftables": [{"set": {"name": "refused_protected"}}]}"#;
+        assert_eq!(parse_set_count(empty, ip("198.18.0.7")).unwrap(), 0);
+        assert!(parse_set_count(b"not json", ip("198.18.0.7")).is_err());
     }
 }

@@ -3,7 +3,7 @@
 
 use super::dns::{upstream_resolvers, DnsForwarder};
 use super::filter::FilterConfig;
-use super::firewall::{root_ruleset, FirewallPolicy, ROOT_REMOVE};
+use super::firewall::{forget_root_refusals, root_ruleset, FirewallPolicy, ROOT_REMOVE};
 use super::host::{NetHost, RealHost};
 use super::layout::SlotLayout;
 use super::slot::{self, Slot, SlotParts};
@@ -124,6 +124,7 @@ impl Shared {
 
     fn destroy(&self, parts: SlotParts) {
         let index = parts.layout.index;
+        self.forget_root_refusals(&parts);
         let t = Instant::now();
         match slot::destroy(&*self.host, parts) {
             Ok(()) => {
@@ -134,6 +135,19 @@ impl Shared {
             Err(e) => log::error!(
                 "slot={index} op=destroy error=\"{e}\" the index stays unused until restart"
             ),
+        }
+    }
+
+    /// Drops the root table's refusal count of the slot (network.md §5.8), so the index's
+    /// next sandbox starts from zero. A failure (the root table already gone at shutdown)
+    /// leaves at worst a stale count behind.
+    fn forget_root_refusals(&self, parts: &SlotParts) {
+        let forget = forget_root_refusals(parts.layout.host_ip);
+        if let Err(e) = self.host.load_ruleset(None, &forget) {
+            log::debug!(
+                "slot={} op=forget_root_refusals error=\"{e}\"",
+                parts.layout.index
+            );
         }
     }
 
@@ -154,6 +168,7 @@ impl Shared {
         }
         // The next sandbox's counters start at zero.
         let reset = "reset counters table ip agentenv\n";
+        self.forget_root_refusals(&parts);
         if let Err(e) = self.host.load_ruleset(Some(&parts.layout.ns_path), reset) {
             log::info!(
                 "slot={index} op=release outcome=destroy reason=\"counter reset failed: {e}\""

@@ -430,7 +430,7 @@ fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
         "ip", "netns", "exec", &ns, "nft", "list", "chain", "ip", "agentenv", "forward",
     ]);
     assert!(
-        !before.contains("oifname \"veth0\" ct state new drop"),
+        !before.contains("oifname \"veth0\" ct state new jump refuse\n"),
         "{before}"
     );
     slot.deny_outbound().unwrap();
@@ -438,10 +438,10 @@ fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
         "ip", "netns", "exec", &ns, "nft", "list", "chain", "ip", "agentenv", "forward",
     ]);
     assert!(ok, "{after}");
-    // The drop comes before the outbound accept rules.
+    // The refusal comes before the outbound accept rules.
     let drop_at = after
-        .find("iifname \"tap0\" oifname \"veth0\" ct state new counter name \"refused\" drop")
-        .unwrap_or_else(|| panic!("no drop rule: {after}"));
+        .find("iifname \"tap0\" oifname \"veth0\" ct state new jump refuse\n")
+        .unwrap_or_else(|| panic!("no refusal rule: {after}"));
     let accept_at = after
         .rfind("oifname \"veth0\" ct state new accept")
         .unwrap();

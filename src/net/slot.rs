@@ -1,7 +1,9 @@
 //! Creating (network.md §3.2) and destroying (§3.3) one slot, and the public [`Slot`].
 
 use super::filter::DomainFilter;
-use super::firewall::{slot_ruleset, EgressRules, FirewallPolicy, EGRESS_BYTES, REFUSED};
+use super::firewall::{
+    slot_ruleset, EgressRules, FirewallPolicy, EGRESS_BYTES, REFUSE, REFUSED, REFUSED_PROTECTED,
+};
 use super::host::{NetHost, NsHandle, NsSnapshot};
 use super::layout::{SlotLayout, TAP_NAME, VETH_NS_NAME};
 use super::manager::Shared;
@@ -144,9 +146,13 @@ pub(crate) fn dirt(host: &dyn NetHost, parts: &mut SlotParts) -> Option<String> 
 pub struct EgressCounts {
     /// Bytes the guest sent beyond its slot (IP packets, headers included).
     pub bytes_out: u64,
-    /// New outbound connection attempts refused (dropped packets, and connections the
-    /// domain filter closed).
+    /// New outbound connections the sandbox's policy refused (`denyOut`, no internet
+    /// access, outbound off, the connection limit, and connections the domain filter
+    /// closed). Each TCP connection counts once; other protocols once a packet.
     pub refused: u64,
+    /// New outbound connections to what is always refused: the host itself (any of its
+    /// addresses, the slot's gateway included), other sandboxes, the denied ranges.
+    pub refused_protected: u64,
 }
 
 /// One network slot handed to a sandbox. Dropping it without
@@ -205,7 +211,7 @@ impl Slot {
         self.outbound_denied = true;
         self.filter = None;
         let rule = format!(
-            "insert rule ip agentenv forward iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new counter name \"refused\" drop\n"
+            "insert rule ip agentenv forward iifname \"{TAP_NAME}\" oifname \"{VETH_NS_NAME}\" ct state new {REFUSE}\n"
         );
         self.shared
             .host
@@ -248,8 +254,9 @@ impl Slot {
     }
 
     /// What this slot's guest sent out and how many of its new connections were
-    /// refused since the slot was handed out (network.md §5.8): the table's counters
-    /// plus the domain filter's.
+    /// refused since the slot was handed out (network.md §5.8): the slot table's
+    /// counters, the root table's count of refusals of host addresses for this slot, and
+    /// the domain filter's.
     pub fn egress_counts(&self) -> Result<EgressCounts, NetError> {
         let parts = self.parts.as_ref().expect("slot parts present until drop");
         let mut c = EgressCounts::default();
@@ -257,13 +264,16 @@ impl Slot {
             match name.as_str() {
                 EGRESS_BYTES => c.bytes_out += bytes,
                 REFUSED => c.refused += packets,
+                REFUSED_PROTECTED => c.refused_protected += packets,
                 _ => {}
             }
         }
+        c.refused_protected += self.shared.host.read_root_refusals(parts.layout.host_ip)?;
         if let Some(f) = &self.filter {
-            let (refused, out, _) = f.counts();
-            c.refused += refused;
-            c.bytes_out += out;
+            let f = f.counts();
+            c.refused += f.refused;
+            c.refused_protected += f.refused_protected;
+            c.bytes_out += f.bytes_out;
         }
         Ok(c)
     }
@@ -417,7 +427,13 @@ pub(crate) mod tests {
             Ok(vec![
                 ("egress_bytes".into(), 2, 100),
                 ("refused".into(), 3, 180),
+                ("refused_protected".into(), 4, 240),
             ])
+        }
+
+        fn read_root_refusals(&self, _host_ip: Ipv4Addr) -> Result<u64, NetError> {
+            self.step("read_root_refusals")?;
+            Ok(5)
         }
     }
 

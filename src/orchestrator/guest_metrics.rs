@@ -38,10 +38,12 @@ pub struct GuestSample {
     pub disk_used: u64,
     pub disk_total: u64,
     /// The host's counts for the sandbox's current slot (network.md §5.8), not the
-    /// guest's: bytes sent out and new outbound connections refused since it started or
-    /// resumed.
+    /// guest's, since it started or resumed: bytes sent out, new outbound connections its
+    /// policy refused, and new connections to what is always refused (the host, other
+    /// sandboxes, the denied ranges).
     pub egress_bytes: u64,
     pub egress_refused: u64,
+    pub egress_refused_protected: u64,
 }
 
 /// What the guest agent's `GET /metrics` answers (unknown fields ignored, missing → 0).
@@ -78,6 +80,7 @@ impl GuestSample {
             disk_total: a.disk_total,
             egress_bytes: 0,
             egress_refused: 0,
+            egress_refused_protected: 0,
         })
     }
 }
@@ -174,6 +177,7 @@ pub(crate) fn sample_sandbox(entry: &SandboxEntry, addr: SocketAddr) -> Option<G
     if let Some(c) = egress_counts(entry) {
         sample.egress_bytes = c.bytes_out;
         sample.egress_refused = c.refused;
+        sample.egress_refused_protected = c.refused_protected;
     }
     Some(sample)
 }
@@ -186,9 +190,10 @@ fn egress_counts(entry: &SandboxEntry) -> Option<crate::net::EgressCounts> {
     answer.recv_timeout(GUEST_TIMEOUT).ok().flatten()
 }
 
-/// `agentenv_sandbox_egress_bytes_total{sandbox}` and
-/// `agentenv_sandbox_egress_refused_total{sandbox}` of every running sandbox, from its
-/// newest sample (network.md §5.8). They restart from zero when a sandbox resumes.
+/// `agentenv_sandbox_egress_bytes_total{sandbox}`,
+/// `agentenv_sandbox_egress_refused_total{sandbox}` and
+/// `agentenv_sandbox_egress_refused_protected_total{sandbox}` of every running sandbox,
+/// from its newest sample (network.md §5.8). They restart from zero when a sandbox resumes.
 pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxEntry>]) {
     use std::fmt::Write;
     let latest: Vec<(String, GuestSample)> = entries
@@ -204,8 +209,13 @@ pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxE
         ),
         (
             "agentenv_sandbox_egress_refused_total",
-            "New outbound connection attempts of each running sandbox that were refused.",
+            "New outbound connections of each running sandbox its egress policy refused.",
             |s: &GuestSample| s.egress_refused,
+        ),
+        (
+            "agentenv_sandbox_egress_refused_protected_total",
+            "New connections of each running sandbox to the host, other sandboxes or denied ranges, refused.",
+            |s: &GuestSample| s.egress_refused_protected,
         ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}");
