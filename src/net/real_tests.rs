@@ -411,7 +411,7 @@ fn create_and_destroy_timing() {
 }
 
 #[test]
-fn denied_outbound_inserts_a_drop_and_the_slot_is_not_reused() {
+fn denied_outbound_inserts_a_refusal_and_the_slot_is_not_reused() {
     let _g = serial();
     let mut guard = Cleanup(None);
     let mut c = cfg(8, 0, 4);
