@@ -6,6 +6,7 @@
 mod common;
 
 use common::extension::Extension;
+use common::loopfs::LoopFs;
 use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -124,121 +125,6 @@ fn assert_backing_chain_resolves(disk: &Path) {
     let chain: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let chain = chain.as_array().unwrap();
     assert!(chain.len() >= 2, "an overlay over its base: {chain:?}");
-}
-
-/// An ext4 filesystem in a sparse image file, loop-mounted at `dir` for one test; always
-/// unmounted and detached on drop, also when the test panics.
-struct LoopFs {
-    image: PathBuf,
-    device: String,
-    dir: PathBuf,
-}
-
-impl LoopFs {
-    fn new(dir: &Path, size_mb: u64) -> LoopFs {
-        let image = std::env::temp_dir().join(format!(
-            "aenv-loopfs-{}-{}.img",
-            std::process::id(),
-            dir.file_name().unwrap().to_string_lossy()
-        ));
-        std::fs::File::create(&image)
-            .unwrap()
-            .set_len(size_mb << 20)
-            .unwrap();
-        run(
-            "mkfs.ext4",
-            &["-q", "-F", "-m", "0", image.to_str().unwrap()],
-        );
-        let device = run("losetup", &["--find", "--show", image.to_str().unwrap()])
-            .trim()
-            .to_string();
-        let fs = LoopFs {
-            image,
-            device,
-            dir: dir.to_path_buf(),
-        };
-        std::fs::create_dir_all(dir).unwrap();
-        run("mount", &[&fs.device, dir.to_str().unwrap()]);
-        fs
-    }
-
-    /// Free bytes now (as the server sees them).
-    fn free(&self) -> u64 {
-        let out = run("df", &["-B1", "--output=avail", self.dir.to_str().unwrap()]);
-        out.lines().nth(1).unwrap().trim().parse().unwrap()
-    }
-
-    /// Fills the filesystem with `<dir>/filler-N`, one fallocate, until about `leave`
-    /// bytes are free (a little less: the file's extent blocks come out of them too).
-    fn fill_about(&self, leave: u64, n: u32) -> PathBuf {
-        let path = self.dir.join(format!("filler-{n}"));
-        let bulk = self.free().saturating_sub(leave);
-        run(
-            "fallocate",
-            &["-l", &bulk.to_string(), path.to_str().unwrap()],
-        );
-        path
-    }
-
-    /// Fills the filesystem with `<dir>/filler-N` until `leave` bytes are free (or none
-    /// are left): fallocate for the bulk, written blocks for the rest.
-    fn fill_to(&self, leave: u64, n: u32) -> PathBuf {
-        let path = self.dir.join(format!("filler-{n}"));
-        // fallocate's own extent blocks come out of the free space too.
-        let bulk = self.free().saturating_sub(leave + (16 << 20));
-        let mut f = std::fs::File::create(&path).unwrap();
-        if bulk > 0 {
-            run(
-                "fallocate",
-                &["-l", &bulk.to_string(), path.to_str().unwrap()],
-            );
-        }
-        let block = vec![0u8; 64 << 10];
-        loop {
-            let over = self.free().saturating_sub(leave) as usize;
-            if over == 0 {
-                break;
-            }
-            let n = over.min(block.len());
-            let wrote = std::io::Write::write_all(&mut f, &block[..n]).and_then(|()| f.sync_all());
-            if wrote.is_err() {
-                break;
-            }
-        }
-        path
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let dir = self.dir.to_str().unwrap();
-        let unmounted = (0..50).any(|_| {
-            let ok = Command::new("umount")
-                .arg(dir)
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            ok
-        });
-        if !unmounted {
-            let _ = Command::new("umount").args(["-l", dir]).status();
-        }
-        let _ = Command::new("losetup").args(["-d", &self.device]).status();
-        let _ = std::fs::remove_file(&self.image);
-    }
-}
-
-/// Runs a host tool with an argument vector; asserts it succeeded, returns its stdout.
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Writes `body` to `path` in sandbox `id` through `PUT /files`; the status.

@@ -121,6 +121,8 @@ struct State {
     params: HashMap<String, Value>,
     connections: usize,
     observer: Option<Arc<Observer>>,
+    /// The status each request (by `seq`) was given, when it was given one.
+    answers: HashMap<usize, u16>,
 }
 
 struct Shared {
@@ -218,6 +220,18 @@ impl Extension {
             .collect()
     }
 
+    /// The status the extension answered (or is answering) request `r` with; `None` for
+    /// a request closed, hung or cut off without a status line.
+    pub fn answer_of(&self, r: &Recorded) -> Option<u16> {
+        self.shared
+            .state
+            .lock()
+            .unwrap()
+            .answers
+            .get(&r.seq)
+            .copied()
+    }
+
     pub fn connections(&self) -> usize {
         self.shared.state.lock().unwrap().connections
     }
@@ -288,6 +302,9 @@ fn serve_connection(stream: TcpStream, shared: Arc<Shared>, conn: usize) {
                 .and_then(VecDeque::pop_front)
                 .or_else(|| st.defaults.get(&hook).cloned())
                 .unwrap_or(Behavior::Default);
+            if let Some(status) = planned_status(&behavior, &rec.hook) {
+                st.answers.insert(rec.seq, status);
+            }
             (rec, behavior, st.observer.clone())
         };
         shared.changed.notify_all();
@@ -335,6 +352,20 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<RawRequest> {
     let mut body = vec![0; len];
     r.read_exact(&mut body).ok()?;
     Some((method, path, headers, body))
+}
+
+/// The status `b` answers a request for `hook` with, if it sends one it means.
+fn planned_status(b: &Behavior, hook: &str) -> Option<u16> {
+    match b {
+        Behavior::Default => Some(match hook {
+            "start-fresh" | "start-resume" | "patch-params" => 200,
+            "stop" => 204,
+            _ => 404,
+        }),
+        Behavior::Respond { status, .. } | Behavior::Redirect(status) => Some(*status),
+        Behavior::Delay(_, then) => planned_status(then, hook),
+        _ => None,
+    }
 }
 
 /// Answers one request; `false` when the connection must be closed afterwards.

@@ -9,6 +9,8 @@ pub mod extension;
 
 pub mod sdk;
 
+pub mod loopfs;
+
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
