@@ -6,16 +6,14 @@ auto_resume a paused sandbox stays paused. Prints `ok woke <id> <n>` for the tes
 the extension's start-resume hooks."""
 
 import concurrent.futures
-import os
 import time
 
 import httpx
 
 from e2b import Sandbox, SandboxState
 
-from check import TEMPLATE, main, ok, raises
+from check import API, TEMPLATE, main, ok, raises
 
-API = os.environ["E2B_API_URL"]
 PORT = 8080
 # The web server's pid, when it still runs.
 ALIVE = "kill -0 $(cat /tmp/httpd.pid) && cat /tmp/httpd.pid"

@@ -8,6 +8,9 @@ import time
 from e2b import Sandbox
 
 TEMPLATE = os.environ.get("AENV_SDK_TEMPLATE", "base")
+# The API as the SDK reaches it: E2B_API_URL, or in domain mode (only E2B_DOMAIN set)
+# the SDK's default https://api.<domain>.
+API = os.environ.get("E2B_API_URL") or "https://api." + os.environ["E2B_DOMAIN"]
 
 
 def ok(call, condition=True, seen=None):

@@ -11,9 +11,8 @@ import httpx
 
 from e2b import Sandbox, SandboxException, SandboxQuery
 
-from check import TEMPLATE, main, ok, raises
+from check import API, TEMPLATE, main, ok, raises
 
-API = os.environ["E2B_API_URL"]
 HEADERS = {"X-API-Key": os.environ["E2B_API_KEY"]}
 
 

@@ -8,7 +8,6 @@ guest's own `stat` (owner, group, permissions, mtime, symlink target); watch eve
 the entry when asked."""
 
 import calendar
-import os
 import time
 
 import httpx
@@ -16,9 +15,8 @@ import httpx
 from e2b import FileType, Sandbox
 from e2b.exceptions import InvalidArgumentException, SandboxException
 
-from check import TEMPLATE, main, ok, raises
+from check import API, TEMPLATE, main, ok, raises
 
-API = os.environ["E2B_API_URL"]
 DIR = "/home/user/meta"
 
 

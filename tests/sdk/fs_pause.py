@@ -15,9 +15,8 @@ import httpx
 
 from e2b import Sandbox, SandboxState
 
-from check import TEMPLATE, main, ok, raises
+from check import API, TEMPLATE, main, ok, raises
 
-API = os.environ["E2B_API_URL"]
 HEADERS = {"X-API-Key": os.environ["E2B_API_KEY"]}
 BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
 NOTE = "/home/user/notes.txt"

@@ -3,7 +3,8 @@
 // and mode, a python3 HTTP server behind waitForPort) with its own last step, built after
 // the python one so the steps both SDKs send alike come from the step cache; a sandbox
 // from it checked (user, files, python3 -c, sudo -n true, the start command's port
-// through the API port's routing). The SDK module comes from AENV_E2B_JS.
+// through the API port's routing, or in domain mode at getHost(8080)). The SDK module
+// comes from AENV_E2B_JS.
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -49,7 +50,10 @@ ok('Template.build returns ids', Boolean(info.templateId && info.buildId), info)
 // hashes a directory's size into the COPY's filesHash (python does not), so the
 // directory COPY and what follows run again.
 const cached = logs.filter((l) => l.startsWith('CACHED ['));
-ok(`the steps both SDKs send alike come from the cache (${cached.length} of 9 cached)`, ['1', '2', '3', '4'].every((i) => cached.some((l) => l.startsWith(`CACHED [${i}/9]`))), text.slice(-3000));
+// AENV_TEST_FRESH=1: no python build ran before (the domain-mode run), nothing cached.
+if (process.env.AENV_TEST_FRESH !== '1') {
+  ok(`the steps both SDKs send alike come from the cache (${cached.length} of 9 cached)`, ['1', '2', '3', '4'].every((i) => cached.some((l) => l.startsWith(`CACHED [${i}/9]`))), text.slice(-3000));
+}
 ok('the last step ran', logs.some((l) => l.startsWith('[9/9] RUN echo js')), text.slice(-3000));
 ok('the build waited with waitForPort', text.includes('waiting for the ready command: [ -n "$(ss -Htuln sport = :8080)" ]'), text.slice(-3000));
 
@@ -67,9 +71,12 @@ try {
   const sudo = await sbx.commands.run('sudo -n true && sudo -n id -un');
   ok('sudo -n true', sudo.exitCode === 0 && sudo.stdout.trim() === 'root', sudo);
   ok('the start command serves in the sandbox', (await run('curl -s http://127.0.0.1:8080/')) === 'served');
-  const routed = await fetch(`${process.env.E2B_API_URL}/`, {
-    headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8080', 'X-API-Key': process.env.E2B_API_KEY },
-  });
+  // By headers on the API port, or in domain mode (no E2B_API_URL) at getHost(8080).
+  const routed = process.env.E2B_API_URL
+    ? await fetch(`${process.env.E2B_API_URL}/`, {
+      headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8080', 'X-API-Key': process.env.E2B_API_KEY },
+    })
+    : await fetch(`https://${sbx.getHost(8080)}/`);
   const body = await routed.text();
   ok('the start command port through the API port', routed.status === 200 && body === 'served\n', [routed.status, body]);
 } finally {

@@ -1,8 +1,9 @@
 // A volume through the JS SDK: create, writeFile/readFile through the content API
-// (E2B_VOLUME_API_URL is this server), mounted by a sandbox (volumeMounts) that reads the
+// (E2B_VOLUME_API_URL, or in domain mode https://api.<domain>, is this server), mounted by a sandbox (volumeMounts) that reads the
 // file and writes another, which the content API then reads; destroy. Prints `ok <call>`.
 const { Sandbox, Volume } = await import(process.env.AENV_E2B_JS);
-process.env.E2B_VOLUME_API_URL = process.env.E2B_API_URL;
+// In domain mode (no E2B_API_URL) the SDK's default, https://api.<domain>, is this server.
+if (process.env.E2B_API_URL) process.env.E2B_VOLUME_API_URL = process.env.E2B_API_URL;
 const template = process.env.AENV_SDK_TEMPLATE ?? 'base';
 
 function ok(call, condition = true, seen = undefined) {
