@@ -2,6 +2,9 @@
 //! whose reserve leaves ~500 MiB of this host's MemAvailable admits sandboxes while their
 //! guests fill memory, and refuses the next create with a 429 naming MemAvailable before
 //! the host gets anywhere near running out; nominal sizes and vCPUs are no limit by default.
+//! And with the default standby pool: once the host's headroom falls below the reserve
+//! (this test holds memory itself), a create that would claim a waiting standby and a
+//! resume are refused alike, counted in /metrics, and both work again once it is back.
 
 mod common;
 
@@ -30,6 +33,7 @@ const MAX_CREATES: usize = 12;
 
 #[test]
 fn creates_are_refused_while_the_host_still_has_its_reserve() {
+    let _serial = serial();
     let headroom = 500;
     let reserve = available_mb()
         .checked_sub(headroom)
@@ -113,4 +117,96 @@ fn creates_are_refused_while_the_host_still_has_its_reserve() {
             .0,
         204
     );
+}
+
+fn metrics(s: &Server) -> String {
+    ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap()
+}
+
+/// A 429 that names the host's memory, the reserve and what to do.
+fn assert_host_memory_refusal(code: u16, v: &serde_json::Value, what: &str) {
+    assert_eq!(code, 429, "{what}: {v}");
+    let message = v["message"].as_str().unwrap();
+    assert!(
+        message.contains("MemAvailable")
+            && message.contains("reserved_memory_mb")
+            && message.contains("pause or delete a sandbox"),
+        "{what}: {v}"
+    );
+}
+
+#[test]
+fn a_standby_claim_and_a_resume_are_refused_below_the_reserve() {
+    let _serial = serial();
+    // 400 MiB over the reserve for the standby and the first sandbox; then this test
+    // holds 1000 MiB, which leaves the host ~600 MiB below it (far more than other
+    // processes' memory moves while it runs).
+    let (headroom, hog_mb) = (400, 1000);
+    let reserve = available_mb()
+        .checked_sub(headroom)
+        .expect("this test needs more than 400 MiB of MemAvailable");
+    let s = Server::start(&format!(
+        "[admission]\nreserved_memory_mb = {reserve}\nvm_startup_mb = 64\n"
+    ));
+    build_template(&s, "base");
+    let (code, v) = s.call("POST", "/sandboxes", Some(json!({"templateID": "base"})));
+    assert_eq!(code, 201, "{v}\n{}", s.log());
+    let paused = id_of(&v);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{paused}/pause"), None);
+    assert_eq!(code, 204, "{v}");
+    let ready = wait_until(std::time::Duration::from_secs(60), || {
+        metrics(&s).contains("agentenv_standby_vms{state=\"ready\"} 1")
+    });
+    assert!(ready, "no standby waiting:\n{}", s.log());
+    let hog = vec![1u8; hog_mb << 20];
+    std::hint::black_box(&hog);
+    assert!(available_mb() < reserve, "{} MiB available", available_mb());
+    let (code, v) = s.call("POST", "/sandboxes", Some(json!({"templateID": "base"})));
+    assert_host_memory_refusal(code, &v, "a create that claims the standby");
+    let (code, v) = s.call(
+        "POST",
+        &format!("/sandboxes/{paused}/connect"),
+        Some(json!({"timeout": 300})),
+    );
+    assert_host_memory_refusal(code, &v, "a resume");
+    let (_, v) = s.call("GET", &format!("/sandboxes/{paused}"), None);
+    assert_eq!(v["state"], "paused", "{v}");
+    let m = metrics(&s);
+    let refused = m
+        .lines()
+        .find_map(|l| l.strip_prefix("agentenv_admission_refusals_total{reason=\"host_memory\"} "))
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no refusal counter:\n{m}"));
+    assert!(refused >= 2, "{refused} refusals counted");
+    assert!(
+        m.contains("agentenv_host_memory_pressure_pct{state=\"limit\"} 20"),
+        "{m}"
+    );
+    drop(hog);
+    let room = wait_until(std::time::Duration::from_secs(30), || {
+        available_mb() >= reserve + 3 * 64
+    });
+    assert!(
+        room,
+        "MemAvailable {} MiB, reserve {reserve}",
+        available_mb()
+    );
+    let (code, v) = s.call(
+        "POST",
+        &format!("/sandboxes/{paused}/connect"),
+        Some(json!({"timeout": 300})),
+    );
+    assert!(
+        code == 200 || code == 201,
+        "the resume once there is room: {code} {v}"
+    );
+    let (code, v) = s.call("POST", "/sandboxes", Some(json!({"templateID": "base"})));
+    assert_eq!(code, 201, "a create once there is room: {v}");
+    for id in [paused, id_of(&v)] {
+        assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    }
 }

@@ -11,13 +11,20 @@
 //!
 //! A VM's [`Reservation`] is taken in `supervisor::start` before its supervisor thread
 //! exists and lives on that thread, so it is given back exactly when the VM is gone
-//! (delete, pause, crash, failed start), whatever path ended it.
+//! (delete, pause, crash, failed start), whatever path ended it. A standby takes its
+//! share when it is made, but its guest loads no memory until a create claims it, so the
+//! claim checks the host's headroom again ([`Admission::admit_claim`]): when headroom is
+//! below the reserve, creates (with or without a standby) and resumes are all refused.
+//!
+//! Every refusal is counted by what was exhausted (`agentenv_admission_refusals_total`).
 
 use super::error::OrchError;
 use super::sides::HostFacts;
 use crate::config::AdmissionConfig;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,6 +36,50 @@ pub(crate) struct Admission {
     limits: Limits,
     headroom: Option<(Headroom, Arc<dyn HostFacts>)>,
     used: Mutex<Usage>,
+    refusals: Refusals,
+}
+
+/// What a refused start lacked: the `reason` label of `agentenv_admission_refusals_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exhausted {
+    MemoryCap,
+    VcpuCap,
+    HostMemory,
+    HostPressure,
+}
+
+impl Exhausted {
+    const ALL: [Exhausted; 4] = [
+        Exhausted::MemoryCap,
+        Exhausted::VcpuCap,
+        Exhausted::HostMemory,
+        Exhausted::HostPressure,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Exhausted::MemoryCap => "memory_cap",
+            Exhausted::VcpuCap => "vcpu_cap",
+            Exhausted::HostMemory => "host_memory",
+            Exhausted::HostPressure => "host_pressure",
+        }
+    }
+}
+
+/// Refused starts since the server started, by [`Exhausted`].
+#[derive(Debug, Default)]
+struct Refusals([AtomicU64; 4]);
+
+impl Refusals {
+    /// Counts the refusal and makes its 429.
+    fn refuse(&self, what: Exhausted, message: String) -> OrchError {
+        self.0[what as usize].fetch_add(1, Ordering::Relaxed);
+        OrchError::TooMany(message)
+    }
+
+    fn get(&self, what: Exhausted) -> u64 {
+        self.0[what as usize].load(Ordering::Relaxed)
+    }
 }
 
 /// The operator's caps on nominal sums; `None` = no cap.
@@ -89,6 +140,7 @@ impl Admission {
             limits,
             headroom: None,
             used: Mutex::new(Usage::default()),
+            refusals: Refusals::default(),
         })
     }
 
@@ -102,6 +154,7 @@ impl Admission {
             limits,
             headroom: Some((headroom, host)),
             used: Mutex::new(Usage::default()),
+            refusals: Refusals::default(),
         })
     }
 
@@ -121,19 +174,29 @@ impl Admission {
         })
     }
 
+    /// A create claims a standby, which took its share (and passed the caps) when it was
+    /// made but has loaded no guest memory yet: the host's headroom now, or 429. The
+    /// start then counts as settling like any other.
+    pub fn admit_claim(&self, share: &Reservation) -> Result<(), OrchError> {
+        let mut used = self.used.lock();
+        let startup = self.check_headroom(&mut used, share.memory_mb)?;
+        used.settling.push_back((Instant::now(), startup));
+        Ok(())
+    }
+
     fn check_caps(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), OrchError> {
         if let Some(limit) = self
             .limits
             .memory_mb
             .filter(|l| used.memory_mb + memory_mb > *l)
         {
-            return Err(OrchError::TooMany(format!(
+            return Err(self.refusals.refuse(Exhausted::MemoryCap, format!(
                 "not enough memory for another VM: {} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
                 used.memory_mb
             )));
         }
         if let Some(limit) = self.limits.vcpus.filter(|l| used.vcpus + vcpus > *l) {
-            return Err(OrchError::TooMany(format!(
+            return Err(self.refusals.refuse(Exhausted::VcpuCap, format!(
                 "not enough vCPUs for another VM: {} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox",
                 used.vcpus
             )));
@@ -159,7 +222,7 @@ impl Admission {
         let settling: u64 = used.settling.iter().map(|(_, mb)| mb).sum();
         if let Some(available) = host.available_mb() {
             if available < room.reserve_mb + startup + settling {
-                return Err(OrchError::TooMany(format!(
+                return Err(self.refusals.refuse(Exhausted::HostMemory, format!(
                     "not enough free host memory for another VM: {available} MiB available (MemAvailable), {} MiB kept for the host ([admission] reserved_memory_mb), {startup} MiB needed to start it and {settling} MiB by VMs still starting; pause or delete a sandbox, or lower the reserve",
                     room.reserve_mb
                 )));
@@ -167,7 +230,7 @@ impl Admission {
         }
         if room.max_pressure_pct > 0.0 {
             if let Some(p) = host.pressure_pct().filter(|p| *p > room.max_pressure_pct) {
-                return Err(OrchError::TooMany(format!(
+                return Err(self.refusals.refuse(Exhausted::HostPressure, format!(
                     "host memory under pressure: tasks stalled on memory {p:.1}% of the last 10 s, above {}% ([admission] max_memory_pressure_pct); pause or delete a sandbox",
                     room.max_pressure_pct
                 )));
@@ -213,6 +276,35 @@ impl Admission {
                 "Host memory (MiB) the kernel can still allocate (MemAvailable), and the reserve admission keeps.",
                 &series,
             );
+            let mut series: Vec<(&str, f64)> = host
+                .pressure_pct()
+                .map(|p| ("avg10", p))
+                .into_iter()
+                .collect();
+            if room.max_pressure_pct > 0.0 {
+                series.push(("limit", room.max_pressure_pct));
+            }
+            if !series.is_empty() {
+                super::metrics::render_state_gauge(
+                out,
+                "agentenv_host_memory_pressure_pct",
+                "Share (%) of the last 10 s some task stalled on memory (PSI some avg10), and the limit above which starts are refused.",
+                &series,
+            );
+            }
+        }
+        let name = "agentenv_admission_refusals_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Starts (creates, resumes, builds) refused with 429, by what was exhausted.\n# TYPE {name} counter"
+        );
+        for what in Exhausted::ALL {
+            let _ = writeln!(
+                out,
+                "{name}{{reason=\"{}\"}} {}",
+                what.label(),
+                self.refusals.get(what)
+            );
         }
     }
 }
@@ -245,35 +337,11 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    /// A host whose available memory and pressure the test sets.
-    struct FakeHost {
-        available: AtomicU64,
-        pressure_tenths: AtomicU64,
-    }
-
-    impl HostFacts for FakeHost {
-        fn online_cpus(&self) -> u32 {
-            4
-        }
-        fn total_memory_mb(&self) -> u64 {
-            8192
-        }
-        fn available_mb(&self) -> Option<u64> {
-            Some(self.available.load(Ordering::SeqCst))
-        }
-        fn pressure_pct(&self) -> Option<f64> {
-            Some(self.pressure_tenths.load(Ordering::SeqCst) as f64 / 10.0)
-        }
-    }
+    use crate::orchestrator::fakes::sides::FakeHostFacts as FakeHost;
 
     #[test]
     fn the_vcpu_cap_and_host_limits_come_from_the_host_side() {
-        let host = FakeHost {
-            available: AtomicU64::new(8192),
-            pressure_tenths: AtomicU64::new(0),
-        };
+        let host = FakeHost::new(8192);
         let cfg = crate::config::AdmissionConfig {
             max_memory_mb: 0,
             reserved_memory_mb: 0,
@@ -286,7 +354,7 @@ mod tests {
         let held = a.reserve(128, 8).unwrap();
         assert!(a.reserve(128, 1).is_err(), "2 x 4 host CPUs are taken");
         drop(held);
-        let limits = crate::orchestrator::HostLimits::of(&host);
+        let limits = crate::orchestrator::HostLimits::of(&*host);
         assert_eq!((limits.cpus, limits.memory_mb), (4, 8192));
     }
 
@@ -341,10 +409,7 @@ mod tests {
 
     #[test]
     fn starts_need_the_reserve_plus_their_startup_memory_counting_recent_ones() {
-        let host = Arc::new(FakeHost {
-            available: AtomicU64::new(1024 + 200),
-            pressure_tenths: AtomicU64::new(0),
-        });
+        let host = FakeHost::new(1024 + 200);
         let room = Headroom {
             reserve_mb: 1024,
             startup_mb: 64,
@@ -379,5 +444,65 @@ mod tests {
         );
         host.pressure_tenths.store(10, Ordering::SeqCst);
         assert!(a.reserve(8, 1).is_ok());
+    }
+
+    #[test]
+    fn a_claimed_standby_needs_the_hosts_headroom_again() {
+        let host = FakeHost::new(1024 + 100);
+        let room = Headroom {
+            reserve_mb: 1024,
+            startup_mb: 64,
+            max_pressure_pct: 20.0,
+        };
+        let a = Admission::with_host(caps(None, None), room, host.clone());
+        // Made while the host had room; its SETTLE window is over when it is claimed.
+        let standby = a.reserve(256, 1).unwrap();
+        a.used.lock().settling.clear();
+        host.available.store(1024 + 10, Ordering::SeqCst);
+        let e = a.admit_claim(&standby).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::TooMany(m) if m.contains("1034 MiB available (MemAvailable)") && m.contains("lower the reserve")),
+            "{e:?}"
+        );
+        host.available.store(1024 + 100, Ordering::SeqCst);
+        a.admit_claim(&standby).unwrap();
+        // The claim counts as a start: a second one right after does not fit in 100 MiB.
+        let e = a.admit_claim(&standby).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::TooMany(m) if m.contains("64 MiB by VMs still starting")),
+            "{e:?}"
+        );
+        assert_eq!(a.in_use(), (256, 1), "a claim reserves nothing more");
+    }
+
+    #[test]
+    fn refusals_are_counted_by_what_was_exhausted_and_pressure_is_a_metric() {
+        let host = FakeHost::new(1024 + 10);
+        let room = Headroom {
+            reserve_mb: 1024,
+            startup_mb: 64,
+            max_pressure_pct: 20.0,
+        };
+        let a = Admission::with_host(caps(Some(512), Some(2)), room, host.clone());
+        assert!(a.reserve(1024, 1).is_err(), "memory cap");
+        assert!(a.reserve(8, 3).is_err(), "vCPU cap");
+        assert!(a.reserve(256, 1).is_err(), "host memory");
+        assert!(a.reserve(256, 1).is_err(), "host memory again");
+        host.available.store(100_000, Ordering::SeqCst);
+        host.pressure_tenths.store(305, Ordering::SeqCst);
+        assert!(a.reserve(256, 1).is_err(), "pressure");
+        let mut out = String::new();
+        a.render_metrics(&mut out);
+        for line in [
+            "agentenv_admission_refusals_total{reason=\"memory_cap\"} 1",
+            "agentenv_admission_refusals_total{reason=\"vcpu_cap\"} 1",
+            "agentenv_admission_refusals_total{reason=\"host_memory\"} 2",
+            "agentenv_admission_refusals_total{reason=\"host_pressure\"} 1",
+            "agentenv_host_memory_pressure_pct{state=\"avg10\"} 30.5",
+            "agentenv_host_memory_pressure_pct{state=\"limit\"} 20",
+            "agentenv_host_memory_mb{state=\"available\"} 100000",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
     }
 }

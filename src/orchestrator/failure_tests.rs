@@ -46,6 +46,11 @@ impl Rig {
     }
 
     pub(super) fn build(limits: Limits, adjust: impl FnOnce(&mut Launcher)) -> Rig {
+        Rig::build_on(Admission::new(limits), adjust)
+    }
+
+    /// A rig whose launcher admits with `admission` (e.g. one over a fake host).
+    pub(super) fn build_on(admission: Arc<Admission>, adjust: impl FnOnce(&mut Launcher)) -> Rig {
         let state_dir = std::env::temp_dir().join(format!("aenv-orch-{}", crate::util::new_id()));
         let netns_dir = state_dir.join("netns");
         std::fs::create_dir_all(&netns_dir).unwrap();
@@ -62,7 +67,6 @@ impl Rig {
         let net = FakeNet::new(&config.network);
         let hooks = Arc::new(FakeHooks::default());
         let vms = Arc::new(FakeMachines::default());
-        let admission = Admission::new(limits);
         let mut launcher = Launcher::new(
             &config,
             net.clone(),

@@ -426,4 +426,35 @@ pub(crate) mod sides {
             }
         }
     }
+
+    /// A host of 4 CPUs and 8 GiB whose available memory and pressure the test sets.
+    pub(crate) struct FakeHostFacts {
+        pub available: std::sync::atomic::AtomicU64,
+        /// Memory pressure in tenths of a percent.
+        pub pressure_tenths: std::sync::atomic::AtomicU64,
+    }
+
+    impl FakeHostFacts {
+        pub fn new(available_mb: u64) -> Arc<FakeHostFacts> {
+            Arc::new(FakeHostFacts {
+                available: available_mb.into(),
+                pressure_tenths: 0.into(),
+            })
+        }
+    }
+
+    impl crate::orchestrator::sides::HostFacts for FakeHostFacts {
+        fn online_cpus(&self) -> u32 {
+            4
+        }
+        fn total_memory_mb(&self) -> u64 {
+            8192
+        }
+        fn available_mb(&self) -> Option<u64> {
+            Some(self.available.load(Ordering::SeqCst))
+        }
+        fn pressure_pct(&self) -> Option<f64> {
+            Some(self.pressure_tenths.load(Ordering::SeqCst) as f64 / 10.0)
+        }
+    }
 }

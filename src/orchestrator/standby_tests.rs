@@ -1,8 +1,9 @@
 //! The standby pool against fake host sides: claim, refill, drain, dead standbys, and
 //! every failure of a claimed start rolled back. No root, QEMU or extension needed.
 
-use super::admission::Limits;
+use super::admission::{Admission, Headroom, Limits};
 use super::failure_tests::{eventually, Rig};
+use super::fakes::sides::FakeHostFacts;
 use super::fakes::sides::Script;
 use super::operations;
 use super::standby::StandbyPool;
@@ -197,6 +198,55 @@ fn a_start_admission_would_refuse_takes_the_share_of_a_standby() {
     // Full again: the pool waits, and a create from the template takes the usual path.
     assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
     delete(&rig.registry, "sb-1", StopReason::Delete).unwrap();
+    rig.launcher.standby.forget(TEMPLATE, &*rig.net);
+    assert_eq!(rig.sandbox_dirs(), 0);
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_claim_when_the_host_lacks_headroom_is_refused_and_discards_the_standby() {
+    let host = FakeHostFacts::new(1024 + 500);
+    let room = Headroom {
+        reserve_mb: 1024,
+        startup_mb: 64,
+        max_pressure_pct: 0.0,
+    };
+    let admission = Admission::with_host(roomy(), room, host.clone());
+    let rig = Rig::build_on(admission, |l| {
+        l.standby = StandbyPool::new(1, l.deaths.clone());
+        l.standby.clone_disk = fake_clone_disk;
+    });
+    StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
+    rig.want();
+    rig.wait_ready(1);
+    // The host filled up after the standby was made: its claim must not start the guest.
+    host.available.store(1024 + 10, Ordering::SeqCst);
+    let (id, created) = rig.create_from_standby();
+    let e = created.unwrap_err();
+    assert!(
+        matches!(&e, OrchError::TooMany(m) if m.contains("MemAvailable")),
+        "{e:?}"
+    );
+    assert_eq!(e.status(), 429);
+    assert!(
+        rig.hooks.calls().is_empty(),
+        "the extension never heard of it"
+    );
+    assert!(!rig.registry.dir(&id).exists(), "no run dir left");
+    assert!(rig.registry.entry(&id).is_err());
+    // Refills are refused too while the host lacks room.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(rig.launcher.standby.ready(), 0);
+    assert_eq!(
+        rig.admission.in_use(),
+        (0, 0),
+        "the standby's share is back"
+    );
+    host.available.store(1024 + 500, Ordering::SeqCst);
+    rig.wait_ready(1);
+    let (id, created) = rig.create_from_standby();
+    assert_eq!(created.unwrap().id, id);
+    delete(&rig.registry, &id, StopReason::Delete).unwrap();
     rig.launcher.standby.forget(TEMPLATE, &*rig.net);
     assert_eq!(rig.sandbox_dirs(), 0);
     rig.assert_nothing_held();

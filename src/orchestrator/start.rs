@@ -3,7 +3,9 @@
 //! §5.3, §5.5, §5.8, §5.9):
 //!
 //! 1. admission: the VM's memory and vCPUs are reserved, or the start is refused (429)
-//!    before anything else is made and before the extension hears of it;
+//!    before anything else is made and before the extension hears of it; a claimed
+//!    standby brings its share, and the host's headroom is checked again for it (refused:
+//!    the standby is discarded);
 //! 2. a network slot, with the sandbox's outbound choice applied (network.md §5.4);
 //! 3. the start hook (start-fresh, whose `extraBootArgs` go last on the kernel command
 //!    line, or start-resume), journaled first by the hook client; a restore's VM is
@@ -206,6 +208,12 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                 slot,
                 reservation,
             } = *p;
+            // The standby's guest has loaded nothing yet: the host must have room now.
+            if let Err(e) = launcher.admission.admit_claim(&reservation) {
+                vm.kill();
+                launcher.net.release(slot);
+                return Err(e);
+            }
             (reservation, slot, Some(vm))
         }
         None => {
