@@ -922,7 +922,15 @@ fn explain(a: &Answer, f: &Faults) -> Result<Option<&'static str>, String> {
             .find(|(k, _)| k == id)
             .map(|(_, at)| *at)
     });
-    let killed_around = killed.is_some_and(|at| at <= a.end && a.start <= at + KILL_GRACE);
+    // A create does not know its sandbox's id until it answers: any QEMU killed while
+    // it ran may have been its own (killed while it booted).
+    let killed_around = match &a.sandbox {
+        Some(_) => killed.is_some_and(|at| at <= a.end && a.start <= at + KILL_GRACE),
+        None => f
+            .qemu_kills
+            .iter()
+            .any(|(_, at)| a.start <= *at && *at <= a.end),
+    };
     let crashed_since = |since: Instant| f.server_down.iter().any(|(t0, _)| *t0 >= since);
     let Some(status) = a.status else {
         return if within(&f.server_down, a, Duration::ZERO) {
