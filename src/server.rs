@@ -5,7 +5,7 @@ use crate::api::{ApiServer, Context};
 use crate::config::{self, Config};
 use crate::hooks::HookClient;
 use crate::net::SlotManager;
-use crate::orchestrator::Orchestrator;
+use crate::orchestrator::{Orchestrator, Request};
 use crate::{preflight, store, sys};
 use std::path::Path;
 use std::sync::Arc;
@@ -91,7 +91,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     let build_base = config.templates.build_base;
     let orchestrator = Arc::new(Orchestrator::start(config, slots, hooks, accel));
     if build_base {
-        orchestrator.ensure_base_template();
+        orchestrator.handle(Request::EnsureBaseTemplate)?;
     }
     let api = ApiServer::start(
         &server_config,
@@ -106,7 +106,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
 
     let sig = sys::signals::wait_for_termination()?;
     log::info!("op=shutdown signal={sig}");
-    let clean = orchestrator.shutdown();
+    let clean = orchestrator.handle(Request::Shutdown)?.into_shut_down()?;
     api.stop();
     if !clean {
         return Err(StartupError(format!(

@@ -6,7 +6,7 @@ use super::body::Fields;
 use super::routes::{body, resources, Target};
 use super::{models, ApiError, Context, Reply};
 use crate::orchestrator::{
-    steps, BuildStatus, CatalogTemplate, LogEntry, LogLevel, TemplateBuild, UploadError,
+    steps, BuildStatus, CatalogTemplate, LogEntry, LogLevel, Request as OrchRequest, TemplateBuild,
 };
 use crate::util::rfc3339;
 use serde_json::{json, Value};
@@ -41,7 +41,12 @@ pub fn request_build(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError
     let resources = resources(ctx, &f)?;
     let (t, build) = ctx
         .orchestrator
-        .request_build(&name, tags.clone(), resources)?;
+        .handle(OrchRequest::RequestBuild {
+            name: &name,
+            tags: tags.clone(),
+            resources,
+        })?
+        .into_new_build()?;
     if tags.is_empty() {
         tags.push(crate::orchestrator::DEFAULT_TAG.to_string());
     }
@@ -61,6 +66,7 @@ pub fn request_build(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError
 /// The catalog template a path's `{templateID}` names (id or name).
 fn template(ctx: &Context, id: &str) -> Result<CatalogTemplate, ApiError> {
     ctx.orchestrator
+        .catalog()
         .catalog_template(id)
         .ok_or_else(|| ApiError::not_found(format!("template {id} not found")))
 }
@@ -74,10 +80,13 @@ pub fn upload_link(ctx: &Context, req: &Request, t: &Target) -> Result<Reply, Ap
             "hash must be 64 lowercase hex digits",
         ));
     }
-    if ctx.orchestrator.files_present(hash) {
+    if ctx.orchestrator.catalog().files_present(hash) {
         return Ok(Reply::json(201, json!({"present": true})));
     }
-    let token = ctx.orchestrator.grant_upload(hash);
+    let token = ctx
+        .orchestrator
+        .handle(OrchRequest::GrantUpload { hash })?
+        .into_upload_token()?;
     let url = format!(
         "{}/templates/{}/files/{hash}?token={token}",
         base_url(req),
@@ -111,32 +120,37 @@ pub fn upload(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, Api
     let hash = t.var2;
     let pairs = super::query::parse(t.query);
     let token = super::query::get(&pairs, "token").unwrap_or_default();
-    if !steps::valid_hash(hash) || !ctx.orchestrator.check_upload(hash, token) {
+    if !steps::valid_hash(hash) || !ctx.orchestrator.catalog().check_upload(hash, token) {
         return Err(ApiError::new(
             403,
             "the upload link is invalid or expired: ask GET /templates/{templateID}/files/{hash} again",
         ));
     }
-    let limit = ctx.orchestrator.max_upload_bytes();
+    let limit = ctx.orchestrator.catalog().max_upload_bytes();
     if req.body_length().is_some_and(|n| n as u64 > limit) {
         return Err(ApiError::new(
             413,
             format!("the upload exceeds {limit} bytes ([templates] max_upload_bytes)"),
         ));
     }
-    match ctx.orchestrator.receive_files(hash, req.as_reader()) {
-        Ok(()) => Ok(Reply::Empty(201)),
-        Err(e @ UploadError::TooLarge(_)) => Err(ApiError::new(413, e.to_string())),
-        Err(e @ UploadError::Refused(_)) => Err(ApiError::bad_request(e.to_string())),
-        Err(e @ UploadError::Io(_)) => Err(ApiError::new(500, e.to_string())),
-    }
+    let body = req.as_reader();
+    ctx.orchestrator
+        .handle(OrchRequest::ReceiveFiles { hash, body })?
+        .into_done()?;
+    Ok(Reply::Empty(201))
 }
 
 /// `POST /v2/templates/{templateID}/builds/{buildID}`: the steps; 202, the build runs.
 pub fn start_build(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
     let f: Fields = body(ctx, req)?;
     let spec = steps::parse_spec(&Value::Object(f.0)).map_err(ApiError::bad_request)?;
-    ctx.orchestrator.start_build(t.var, t.var2, spec)?;
+    ctx.orchestrator
+        .handle(OrchRequest::StartBuild {
+            template_id: t.var,
+            build_id: t.var2,
+            spec,
+        })?
+        .into_done()?;
     Ok(Reply::Empty(202))
 }
 
@@ -144,10 +158,12 @@ pub fn start_build(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply
 fn build_of(ctx: &Context, t: &Target) -> Result<TemplateBuild, ApiError> {
     let tpl_id = ctx
         .orchestrator
+        .catalog()
         .catalog_template(t.var)
         .map(|c| c.id)
         .unwrap_or_else(|| t.var.to_string());
     ctx.orchestrator
+        .catalog()
         .build(t.var2)
         .filter(|b| b.catalog.as_ref().is_some_and(|c| c.template_id == tpl_id))
         .ok_or_else(|| {
@@ -258,6 +274,7 @@ pub fn build_logs(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
 pub fn alias(ctx: &Context, t: &Target) -> Result<Reply, ApiError> {
     let tpl = ctx
         .orchestrator
+        .catalog()
         .catalog_template(t.var)
         .filter(|c| c.name == t.var)
         .ok_or_else(|| ApiError::not_found(format!("template alias {} not found", t.var)))?;
@@ -272,7 +289,13 @@ pub fn assign_tags(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     let f = body(ctx, req)?;
     let target = f.required_str("target")?.to_string();
     let tags = tag_list(&f)?;
-    let build = ctx.orchestrator.assign_tags(&target, &tags)?;
+    let build = ctx
+        .orchestrator
+        .handle(OrchRequest::AssignTags {
+            target: &target,
+            tags: &tags,
+        })?
+        .into_tagged()?;
     Ok(Reply::json(201, json!({"buildID": build, "tags": tags})))
 }
 
@@ -294,7 +317,12 @@ pub fn remove_tags(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     let f = body(ctx, req)?;
     let name = f.required_str("name")?.to_string();
     let tags = tag_list(&f)?;
-    ctx.orchestrator.remove_tags(&name, &tags)?;
+    ctx.orchestrator
+        .handle(OrchRequest::RemoveTags {
+            name: &name,
+            tags: &tags,
+        })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
@@ -316,12 +344,14 @@ pub fn list(ctx: &Context) -> Result<Reply, ApiError> {
     let envd = &ctx.orchestrator.config().api.envd_version;
     let mut list: Vec<Value> = ctx
         .orchestrator
+        .catalog()
         .catalog_templates()
         .iter()
         .map(|(t, snap)| models::catalog_template(t, snap.as_ref(), envd))
         .collect();
     list.extend(
         ctx.orchestrator
+            .catalog()
             .templates()
             .iter()
             .map(|(b, s)| models::template(Some(b), s.as_ref(), envd)),

@@ -38,7 +38,7 @@ use super::signed_url::{Refusal, SignedUrl};
 use super::ApiError;
 use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
-use crate::orchestrator::{Access, EnvdRoute, EnvdTarget, Orchestrator};
+use crate::orchestrator::{Access, EnvdRoute, EnvdTarget, OrchError, Orchestrator};
 use crate::util::constant_time_eq;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -185,7 +185,7 @@ impl EnvdProxy {
         }
         // Only admitted traffic wakes a sleeping sandbox (autoResume).
         let route = match route {
-            EnvdRoute::NotRunning { .. } => match self.orchestrator.route_waking(&dest.sandbox) {
+            EnvdRoute::NotRunning { .. } => match self.wake(&dest.sandbox) {
                 Ok(route) => route,
                 Err(e) => return answer_error(request, &ApiError::from(e)),
             },
@@ -215,6 +215,12 @@ impl EnvdProxy {
 
     /// Lets a request in ([`admitted`]), or a signed file URL to envd's port that the
     /// sandbox's token signed and that has not expired.
+    /// Where traffic for a paused `sandbox` goes once it is awake (autoResume).
+    fn wake(&self, sandbox: &str) -> Result<EnvdRoute, OrchError> {
+        let wake = crate::orchestrator::Request::Route { id: sandbox };
+        self.orchestrator.handle(wake)?.into_route()
+    }
+
     fn gate(
         &self,
         request: &Request,

@@ -71,7 +71,7 @@ impl MetricsHistory {
                 let Some(o) = orchestrator.upgrade() else {
                     return;
                 };
-                history.record(now_unix(), &o.render_metrics());
+                history.record(now_unix(), &o.observe().render_metrics());
                 drop(o);
                 match rx.recv_timeout(history.interval) {
                     Err(RecvTimeoutError::Timeout) => {}

@@ -7,8 +7,9 @@ use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::cluster::id::is_sandbox_id;
 use crate::config::OnTimeout;
 use crate::orchestrator::{
-    ColdStart, CommandRequest, FromSnapshot, Ingress, PauseMode, PauseRequest, Resources,
-    SandboxInfo, SandboxRequest, TemplateRequest,
+    ColdStart, CommandRequest, ConnectKind, CreateFrom, ExpiryChange, FromSnapshot, Ingress,
+    PauseMode, PauseRequest, Request as OrchRequest, Resources, SandboxInfo, SandboxRequest,
+    TemplateRequest,
 };
 use serde_json::{json, Value};
 use std::io::Read;
@@ -79,7 +80,7 @@ pub static ROUTES: &[Route] = &[
         Post,
         "/v2/sandboxes/{sandboxID}/connect",
         Control,
-        |ctx, req, t| connect(ctx, req, t.var, true),
+        |ctx, req, t| connect(ctx, req, t.var, ConnectKind::Connect),
     ),
     r(Get, "/sandboxes/metrics", Quick, |ctx, _, t| {
         several_sandbox_metrics(ctx, t.query)
@@ -94,7 +95,7 @@ pub static ROUTES: &[Route] = &[
         Post,
         "/sandboxes/{sandboxID}/timeout",
         Control,
-        |ctx, req, t| set_timeout(ctx, req, t.var, true),
+        |ctx, req, t| set_timeout(ctx, req, t.var, ExpiryChange::Set),
     ),
     r(
         Put,
@@ -106,19 +107,19 @@ pub static ROUTES: &[Route] = &[
         Post,
         "/sandboxes/{sandboxID}/refreshes",
         Control,
-        |ctx, req, t| set_timeout(ctx, req, t.var, false),
+        |ctx, req, t| set_timeout(ctx, req, t.var, ExpiryChange::AtLeast),
     ),
     r(
         Post,
         "/sandboxes/{sandboxID}/connect",
         Control,
-        |ctx, req, t| connect(ctx, req, t.var, true),
+        |ctx, req, t| connect(ctx, req, t.var, ConnectKind::Connect),
     ),
     r(
         Post,
         "/sandboxes/{sandboxID}/resume",
         Control,
-        |ctx, req, t| connect(ctx, req, t.var, false),
+        |ctx, req, t| connect(ctx, req, t.var, ConnectKind::Resume),
     ),
     r(
         Post,
@@ -352,7 +353,7 @@ fn health(ctx: &Context) -> Result<Reply, ApiError> {
 fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
     Ok(Reply::Text {
         content_type: "text/plain; version=0.0.4",
-        body: ctx.orchestrator.render_metrics(),
+        body: ctx.orchestrator.observe().render_metrics(),
     })
 }
 
@@ -361,7 +362,7 @@ fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
 fn metrics_history(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
     let pairs = query::parse(query_string);
     let since = query::unix_seconds(&pairs, "since")?.unwrap_or(0);
-    let node = ctx.orchestrator.node_name();
+    let node = ctx.orchestrator.observe().node_name();
     Ok(Reply::json(200, ctx.history.to_json(since, &node)))
 }
 
@@ -401,7 +402,7 @@ fn params_field(f: &Fields) -> Result<Value, ApiError> {
 fn extension_params(ctx: &Context, f: &Fields) -> Result<Value, ApiError> {
     let params = params_field(f)?;
     let empty = params.as_object().is_some_and(|m| m.is_empty());
-    if !empty && !ctx.orchestrator.extension_enabled() {
+    if !empty && !ctx.orchestrator.observe().extension_enabled() {
         return Err(ApiError::bad_request(
             "customExtensionParams given but no custom extension is configured ([custom_extension].url is unset)",
         ));
@@ -584,9 +585,13 @@ fn create_from_template(
         memory_mb,
     };
     let fingerprint = fingerprint(req.url(), &f);
-    let info = ctx.orchestrator.create_once(key, fingerprint, || {
-        ctx.orchestrator.create_from_snapshot(create)
-    })?;
+    let info = ctx
+        .orchestrator
+        .handle(OrchRequest::Create {
+            from: CreateFrom::Snapshot(create),
+            idempotency: key.map(|k| (k, fingerprint)),
+        })?
+        .into_sandbox()?;
     Ok(created(ctx, &info, 201))
 }
 
@@ -634,7 +639,11 @@ fn create_cold(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
     let fingerprint = fingerprint(req.url(), &f);
     let info = ctx
         .orchestrator
-        .create_once(key, fingerprint, || ctx.orchestrator.create_cold(create))?;
+        .handle(OrchRequest::Create {
+            from: CreateFrom::Image(create),
+            idempotency: key.map(|k| (k, fingerprint)),
+        })?
+        .into_sandbox()?;
     Ok(created(ctx, &info, 201))
 }
 
@@ -840,7 +849,10 @@ fn get_sandbox(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
 }
 
 fn delete_sandbox(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator.delete(checked_id(id)?)?;
+    let id = checked_id(id)?;
+    ctx.orchestrator
+        .handle(OrchRequest::Delete { id })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
@@ -848,18 +860,19 @@ fn set_timeout(
     ctx: &Context,
     req: &mut Request,
     id: &str,
-    shorten: bool,
+    change: ExpiryChange,
 ) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
     let id = checked_id(id)?;
     let default = ctx.orchestrator.config().sandbox.default_timeout_secs;
-    let secs = if shorten {
-        f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
-    } else {
-        f.int_in("duration", 0..=3600)?
+    let secs = match change {
+        ExpiryChange::Set => f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?,
+        ExpiryChange::AtLeast => f.int_in("duration", 0..=3600)?,
     }
     .unwrap_or(default);
-    ctx.orchestrator.set_timeout(id, secs, shorten)?;
+    ctx.orchestrator
+        .handle(OrchRequest::SetTimeout { id, secs, change })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
@@ -868,7 +881,13 @@ fn set_network(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiE
     let f = body(ctx, req)?;
     let id = checked_id(id)?;
     let (policy, internet) = super::network::update_policy(&f)?;
-    ctx.orchestrator.set_network(id, policy, internet)?;
+    ctx.orchestrator
+        .handle(OrchRequest::SetNetwork {
+            id,
+            policy,
+            allow_internet: internet,
+        })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
@@ -878,25 +897,32 @@ fn connect(
     ctx: &Context,
     req: &mut Request,
     id: &str,
-    is_connect: bool,
+    kind: ConnectKind,
 ) -> Result<Reply, ApiError> {
     let id = checked_id(id)?;
     // An unknown sandbox is 404 before any body check (api.md §4.10).
     ctx.orchestrator.get(id)?;
     let f = body(ctx, req)?;
-    let default = if is_connect {
-        CONNECT_DEFAULT_TIMEOUT_SECS
-    } else {
-        ctx.orchestrator.config().sandbox.default_timeout_secs
+    let default = match kind {
+        ConnectKind::Connect => CONNECT_DEFAULT_TIMEOUT_SECS,
+        ConnectKind::Resume => ctx.orchestrator.config().sandbox.default_timeout_secs,
     };
     let secs = f
         .int_in("timeout", 0..=MAX_TIMEOUT_SECS)?
         .unwrap_or(default);
     // `memory: false`: boot from the paused disk, whatever the pause kept.
     let from = PauseMode::with_memory(f.bool("memory")?.unwrap_or(true));
-    let connected = ctx.orchestrator.connect(id, (secs, is_connect), from)?;
+    let connected = ctx
+        .orchestrator
+        .handle(OrchRequest::Connect {
+            id,
+            secs,
+            kind,
+            from,
+        })?
+        .into_connected()?;
     // Resume answers 201 either way; connect answers 200 when it only extended the TTL.
-    let status = if is_connect && !connected.resumed {
+    let status = if kind == ConnectKind::Connect && !connected.resumed {
         200
     } else {
         201
@@ -912,14 +938,21 @@ fn pause(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> 
         mode: PauseMode::with_memory(f.bool("memory")?.unwrap_or(true)),
         require_healthy_guest: f.bool("requireHealthyGuest")?.unwrap_or(false),
     };
-    ctx.orchestrator.pause(checked_id(id)?, request)?;
+    let id = checked_id(id)?;
+    ctx.orchestrator
+        .handle(OrchRequest::Pause { id, request })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
 fn snapshot(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
     let name = f.str("name")?.map(str::to_string);
-    let record = ctx.orchestrator.snapshot(checked_id(id)?, name)?;
+    let id = checked_id(id)?;
+    let record = ctx
+        .orchestrator
+        .handle(OrchRequest::Snapshot { id, name })?
+        .into_snapshot()?;
     Ok(Reply::json(201, models::snapshot_info(&record)))
 }
 
@@ -927,7 +960,15 @@ fn fork(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
     let timeout = f.int_in("timeout", 0..=MAX_TIMEOUT_SECS)?;
     let count = f.int_in("count", 1..=100)?.unwrap_or(1) as u32;
-    let children = ctx.orchestrator.fork(checked_id(id)?, count, timeout)?;
+    let id = checked_id(id)?;
+    let children = ctx
+        .orchestrator
+        .handle(OrchRequest::Fork {
+            id,
+            count,
+            timeout_secs: timeout,
+        })?
+        .into_forked()?;
     let entries = children
         .into_iter()
         .map(|child| match child {
@@ -959,6 +1000,7 @@ fn list_snapshots(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> 
         .transpose()?;
     let mut items: Vec<_> = ctx
         .orchestrator
+        .catalog()
         .snapshots()
         .into_iter()
         .filter(|r| sandbox.is_none_or(|s| r.sandbox_id == s))
@@ -985,6 +1027,7 @@ fn list_snapshots(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> 
 fn get_snapshot(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
     let record = ctx
         .orchestrator
+        .catalog()
         .find_snapshot(id_or_name)
         .ok_or_else(|| ApiError::not_found(format!("snapshot {id_or_name} not found")))?;
     Ok(Reply::json(200, models::snapshot_info(&record)))
@@ -993,6 +1036,7 @@ fn get_snapshot(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
 fn get_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
     let (build, snapshot) = ctx
         .orchestrator
+        .catalog()
         .find_template(id_or_name)
         .ok_or_else(|| ApiError::not_found(format!("template {id_or_name} not found")))?;
     Ok(Reply::json(
@@ -1004,6 +1048,7 @@ fn get_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
 fn list_templates(ctx: &Context) -> Result<Reply, ApiError> {
     let list = ctx
         .orchestrator
+        .catalog()
         .templates()
         .iter()
         .map(|(b, s)| models::template(Some(b), s.as_ref(), envd(ctx)))
@@ -1022,14 +1067,17 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     let start_cmd = f.str("startCmd")?.map(str::to_string);
     let env_vars = f.string_map("envVars")?;
     check_env("envVars", &env_vars)?;
-    let build = ctx.orchestrator.submit_template(TemplateRequest {
-        name,
-        image,
-        resources,
-        start_cmd,
-        env_vars,
-        catalog: None,
-    })?;
+    let build = ctx
+        .orchestrator
+        .handle(OrchRequest::SubmitTemplate(TemplateRequest {
+            name,
+            image,
+            resources,
+            start_cmd,
+            env_vars,
+            catalog: None,
+        }))?
+        .into_build()?;
     Ok(Reply::json(
         202,
         models::template(Some(&build), None, envd(ctx)),
@@ -1037,20 +1085,30 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
 }
 
 fn delete_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator.delete_template(id_or_name)?;
+    ctx.orchestrator
+        .handle(OrchRequest::DeleteTemplate { id_or_name })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
 fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
-    let params = ctx.orchestrator.custom_extension_params(checked_id(id)?)?;
+    let params = ctx
+        .orchestrator
+        .observe()
+        .custom_extension_params(checked_id(id)?)?;
     Ok(Reply::json(200, params))
 }
 
 fn patch_params(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiError> {
     let f = body(ctx, req)?;
+    let id = checked_id(id)?;
     let params = ctx
         .orchestrator
-        .patch_params(checked_id(id)?, Value::Object(f.0))?;
+        .handle(OrchRequest::PatchParams {
+            id,
+            patch: Value::Object(f.0),
+        })?
+        .into_params()?;
     Ok(Reply::json(200, params))
 }
 
@@ -1073,16 +1131,18 @@ fn run_command(ctx: &Context, req: &mut Request, id: &str) -> Result<Reply, ApiE
         return Err(ApiError::bad_request("cwd must be an absolute path"));
     }
     let timeout_ms = f.int_in("timeoutMs", 1..=600_000)?.unwrap_or(60_000);
-    let result = ctx.orchestrator.run_command(
-        checked_id(id)?,
-        CommandRequest {
-            cmd,
-            args,
-            env,
-            cwd,
-            timeout_ms,
-        },
-    )?;
+    let command = CommandRequest {
+        cmd,
+        args,
+        env,
+        cwd,
+        timeout_ms,
+    };
+    let id = checked_id(id)?;
+    let result = ctx
+        .orchestrator
+        .handle(OrchRequest::RunCommand { id, command })?
+        .into_command()?;
     let body = serde_json::to_value(result).map_err(|e| ApiError::new(500, e.to_string()))?;
     Ok(Reply::json(200, body))
 }
@@ -1098,7 +1158,10 @@ fn console_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, Api
             .filter(|n| (1..=10_000).contains(n))
             .ok_or_else(|| ApiError::bad_request("lines must be an integer in 1..=10000"))?,
     };
-    let mut text = ctx.orchestrator.console_tail(checked_id(id)?, lines)?;
+    let mut text = ctx
+        .orchestrator
+        .observe()
+        .console_tail(checked_id(id)?, lines)?;
     if !text.is_empty() {
         text.push('\n');
     }
@@ -1123,7 +1186,11 @@ fn file_path(query_string: &str) -> Result<String, ApiError> {
 
 fn download(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, ApiError> {
     let path = file_path(query_string)?;
-    let file = ctx.orchestrator.read_file(checked_id(id)?, &path)?;
+    let id = checked_id(id)?;
+    let file = ctx
+        .orchestrator
+        .handle(OrchRequest::ReadFile { id, path: &path })?
+        .into_file()?;
     let length = file.size();
     Ok(Reply::Stream {
         reader: Box::new(file),
@@ -1153,8 +1220,7 @@ fn upload(
     match req.body_length() {
         Some(len) => {
             let mut body = req.as_reader().take(len as u64);
-            ctx.orchestrator
-                .write_file(id, &path, len as u64, &mut body)?;
+            write_file(ctx, id, &path, len as u64, &mut body)?;
         }
         None => {
             // Chunked upload: the agent needs the length first, so buffer it (bounded).
@@ -1166,11 +1232,26 @@ fn upload(
             if buf.len() as u64 > limit {
                 return Err(too_large());
             }
-            ctx.orchestrator
-                .write_file(id, &path, buf.len() as u64, &mut buf.as_slice())?;
+            write_file(ctx, id, &path, buf.len() as u64, &mut buf.as_slice())?;
         }
     }
     Ok(Reply::Empty(204))
+}
+
+fn write_file(
+    ctx: &Context,
+    id: &str,
+    path: &str,
+    len: u64,
+    body: &mut dyn Read,
+) -> Result<(), ApiError> {
+    let write = OrchRequest::WriteFile {
+        id,
+        path,
+        len,
+        body,
+    };
+    Ok(ctx.orchestrator.handle(write)?.into_done()?)
 }
 
 /// `GET /sandboxes/{id}/metrics?start=&end=` (E2B's sandbox metrics, api.md §4.21): the
@@ -1187,7 +1268,7 @@ fn sandbox_metrics(ctx: &Context, id: &str, query_string: &str) -> Result<Reply,
             "start ({start}) must not be after end ({end})"
         )));
     }
-    let samples = ctx.orchestrator.sandbox_metrics(id, start, end)?;
+    let samples = ctx.orchestrator.observe().sandbox_metrics(id, start, end)?;
     let body: Vec<Value> = samples.iter().map(models::sandbox_metric).collect();
     Ok(Reply::json(200, Value::Array(body)))
 }
@@ -1226,7 +1307,7 @@ fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, Api
         min_level,
         search,
     };
-    let entries = ctx.orchestrator.sandbox_log(id, &q)?;
+    let entries = ctx.orchestrator.observe().sandbox_log(id, &q)?;
     let logs: Vec<Value> = entries.iter().map(models::log_entry).collect();
     Ok(Reply::json(200, json!({ "logs": logs })))
 }
@@ -1258,6 +1339,7 @@ fn several_sandbox_metrics(ctx: &Context, query_string: &str) -> Result<Reply, A
     }
     let found: serde_json::Map<String, Value> = ctx
         .orchestrator
+        .observe()
         .latest_metrics(&ids)
         .iter()
         .map(|(id, sample)| (id.clone(), models::sandbox_metric(sample)))

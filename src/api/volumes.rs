@@ -5,7 +5,7 @@
 use super::body::Fields;
 use super::routes::{body, Target};
 use super::{query, ApiError, Context, Reply};
-use crate::orchestrator::{OrchError, VolumeMount};
+use crate::orchestrator::{OrchError, Request as OrchRequest, VolumeMount};
 use crate::util::{constant_time_eq, rfc3339};
 use crate::volume::content::{Entry, Meta, Tree, VolumePath, MAX_DEPTH};
 use crate::volume::{Volume, VolumeError, VolumeRecord};
@@ -31,13 +31,20 @@ pub fn create(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> {
         .str("name")?
         .ok_or_else(|| ApiError::bad_request("name: a volume needs a name"))?;
     let size = fields.int_in("sizeMB", 1..=u64::from(u32::MAX))?;
-    let record = ctx.orchestrator.create_volume(name, size)?;
+    let record = ctx
+        .orchestrator
+        .handle(OrchRequest::CreateVolume {
+            name,
+            size_mb: size,
+        })?
+        .into_volume()?;
     Ok(Reply::json(201, with_token(&record)))
 }
 
 pub fn list(ctx: &Context) -> Result<Reply, ApiError> {
     let volumes: Vec<Value> = ctx
         .orchestrator
+        .catalog()
         .list_volumes()
         .iter()
         .map(|r| json!({"volumeID": r.id, "name": r.name, "sizeMB": r.size_mb}))
@@ -46,12 +53,14 @@ pub fn list(ctx: &Context) -> Result<Reply, ApiError> {
 }
 
 pub fn get(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
-    let volume = ctx.orchestrator.volume(id)?;
+    let volume = ctx.orchestrator.catalog().volume(id)?;
     Ok(Reply::json(200, with_token(&volume.record)))
 }
 
 pub fn delete(ctx: &Context, id: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator.delete_volume(id)?;
+    ctx.orchestrator
+        .handle(OrchRequest::DeleteVolume { id })?
+        .into_done()?;
     Ok(Reply::Empty(204))
 }
 
@@ -74,12 +83,16 @@ fn authorized(ctx: &Context, req: &Request, id: &str) -> Result<Arc<Volume>, Api
     let key =
         header("X-API-Key").is_some_and(|k| constant_time_eq(k.as_bytes(), ctx.api_key.as_bytes()));
     if key {
-        return Ok(ctx.orchestrator.volume(id)?);
+        return Ok(ctx.orchestrator.catalog().volume(id)?);
     }
     let bearer = header("Authorization")
         .and_then(|v| v.strip_prefix("Bearer ").map(str::to_string))
         .ok_or_else(refused)?;
-    let volume = ctx.orchestrator.volume(id).map_err(|_| refused())?;
+    let volume = ctx
+        .orchestrator
+        .catalog()
+        .volume(id)
+        .map_err(|_| refused())?;
     if constant_time_eq(bearer.as_bytes(), volume.record.token.as_bytes()) {
         Ok(volume)
     } else {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 const MAX_INODES: u64 = 1_000_000;
 
 /// Why an upload was refused.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum UploadError {
     /// Over `[templates] max_upload_bytes` (413).
     TooLarge(u64),

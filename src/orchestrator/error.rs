@@ -35,6 +35,8 @@ pub enum OrchError {
     Store(Arc<StoreError>),
     /// The custom extension: disabled 400, a failed hook 502, its journal 500.
     Hook(HookError),
+    /// A build's files upload: too large 413, refused 400, the server's disk 500.
+    Upload(super::UploadError),
     /// A state change the state machine does not allow (409).
     InvalidTransition {
         from: super::SandboxState,
@@ -57,6 +59,9 @@ impl OrchError {
             OrchError::Hook(HookError::Disabled) => 400,
             OrchError::Hook(HookError::Failed { .. }) => 502,
             OrchError::Hook(HookError::Journal(_)) => 500,
+            OrchError::Upload(super::UploadError::TooLarge(_)) => 413,
+            OrchError::Upload(super::UploadError::Refused(_)) => 400,
+            OrchError::Upload(super::UploadError::Io(_)) => 500,
         }
     }
 
@@ -98,6 +103,7 @@ impl fmt::Display for OrchError {
             OrchError::Vm { during, source } => write!(f, "{during}: {source}"),
             OrchError::Store(e) => write!(f, "{e}"),
             OrchError::Hook(e) => write!(f, "{e}"),
+            OrchError::Upload(e) => write!(f, "{e}"),
             OrchError::InvalidTransition { from, to } => write!(
                 f,
                 "a {} sandbox cannot become {}; retry once its current operation ended",
@@ -121,6 +127,12 @@ impl PartialEq for OrchError {
 impl From<StoreError> for OrchError {
     fn from(e: StoreError) -> OrchError {
         OrchError::Store(Arc::new(e))
+    }
+}
+
+impl From<super::UploadError> for OrchError {
+    fn from(e: super::UploadError) -> OrchError {
+        OrchError::Upload(e)
     }
 }
 

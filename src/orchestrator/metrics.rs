@@ -3,17 +3,25 @@
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::time::Duration;
 
-/// `agentenv_sandbox_operations_total{op,result}`.
+/// `agentenv_sandbox_operations_total{op,result}` and the time they took,
+/// `agentenv_sandbox_operation_seconds_{sum,count}{op}`.
 #[derive(Default)]
 pub struct OperationCounters {
     counts: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    /// Per operation: the seconds taken in all, and how many were timed.
+    seconds: Mutex<BTreeMap<&'static str, (f64, u64)>>,
 }
 
 impl OperationCounters {
-    pub fn record(&self, op: &'static str, ok: bool) {
+    pub fn record(&self, op: &'static str, ok: bool, took: Duration) {
         let result = if ok { "success" } else { "error" };
         *self.counts.lock().entry((op, result)).or_default() += 1;
+        let mut seconds = self.seconds.lock();
+        let (sum, count) = seconds.entry(op).or_default();
+        *sum += took.as_secs_f64();
+        *count += 1;
     }
 
     pub fn render(&self, out: &mut String) {
@@ -23,6 +31,15 @@ impl OperationCounters {
             let _ = writeln!(
                 out,
                 "agentenv_sandbox_operations_total{{op=\"{op}\",result=\"{result}\"}} {n}"
+            );
+        }
+        out.push_str("# HELP agentenv_sandbox_operation_seconds Time lifecycle operations took.\n");
+        out.push_str("# TYPE agentenv_sandbox_operation_seconds summary\n");
+        for (op, (sum, count)) in self.seconds.lock().iter() {
+            let _ = writeln!(
+                out,
+                "agentenv_sandbox_operation_seconds_sum{{op=\"{op}\"}} {sum:.3}\n\
+                 agentenv_sandbox_operation_seconds_count{{op=\"{op}\"}} {count}"
             );
         }
     }

@@ -24,6 +24,7 @@ mod metrics;
 mod operations;
 mod records;
 mod registry;
+mod request;
 mod sandbox;
 pub mod sandbox_log;
 mod settings;
@@ -38,6 +39,7 @@ mod step_cache;
 pub mod steps;
 mod supervisor;
 mod templates;
+mod views;
 mod volumes;
 mod wake;
 
@@ -45,6 +47,7 @@ pub use build_files::UploadError;
 pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::OrchError;
+pub use request::{ConnectKind, CreateFrom, ExpiryChange, Request, Response};
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use settings::{
     Ingress, NetworkPolicy, PauseMode, PauseRequest, Resources, SandboxRequest, SandboxSettings,
@@ -53,6 +56,7 @@ pub use settings::{
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
+pub use views::{CatalogView, Observer};
 
 use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;
@@ -251,6 +255,16 @@ impl Orchestrator {
         HostLimits::of(self.shared.host.as_ref())
     }
 
+    /// What the server stores (read only).
+    pub fn catalog(&self) -> CatalogView<'_> {
+        CatalogView { orch: self }
+    }
+
+    /// What sandboxes and the server report (read only).
+    pub fn observe(&self) -> Observer<'_> {
+        Observer { orch: self }
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         self.shared.shutting_down.load(Ordering::SeqCst)
     }
@@ -291,32 +305,28 @@ impl Orchestrator {
     }
 
     /// `POST /sandboxes-cold`: image → disk → slot → VM → agent ready → visible.
-    pub fn create_cold(&self, mut req: ColdStart) -> Result<SandboxInfo, OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn create_cold(&self, mut req: ColdStart) -> Result<SandboxInfo, OrchError> {
         let _claims = self.resolve_mounts(&mut req.request.volume_mounts)?;
         let mounts = req.request.volume_mounts.clone();
         let shared = &self.shared;
-        let result = self
-            .on_state_disk(DiskUse::Create, || {
-                operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req)
-            })
-            .and_then(|info| self.mount_in_guest(info, &mounts));
-        self.shared.operations.record("create_cold", result.is_ok());
-        if let Ok(info) = &result {
-            self.log_event(&info.id, "create", &Ok(()), "sandbox created from an image");
-        }
-        result
+        self.on_state_disk(DiskUse::Create, || {
+            operations::create_cold(&shared.images, &shared.registry, &shared.launcher, req)
+        })
+        .and_then(|info| self.mount_in_guest(info, &mounts))
     }
 
     /// Runs `create` once per `key` within the idempotency window (api.md §4.2): a retry
     /// with the same request gets the first call's sandbox, a different request 409.
-    pub fn create_once(
+    fn create_once(
         &self,
-        key: Option<String>,
-        fingerprint: idempotency::Fingerprint,
-        create: impl FnOnce() -> Result<SandboxInfo, OrchError>,
+        idempotency: Option<(String, idempotency::Fingerprint)>,
+        from: CreateFrom,
     ) -> Result<SandboxInfo, OrchError> {
-        let Some(key) = key else {
+        let create = || match from {
+            CreateFrom::Snapshot(req) => self.create_from_snapshot(req),
+            CreateFrom::Image(req) => self.create_cold(req),
+        };
+        let Some((key, fingerprint)) = idempotency else {
             return create();
         };
         match self.shared.idempotency.claim(&key, fingerprint)? {
@@ -336,14 +346,6 @@ impl Orchestrator {
         Ok(info)
     }
 
-    /// The last `lines` lines of a visible sandbox's guest console (api.md §4.20); empty
-    /// when the guest has written nothing yet.
-    pub fn console_tail(&self, id: &str, lines: usize) -> Result<String, OrchError> {
-        self.entry(id)?;
-        let path = self.shared.registry.dir(id).join("console.log");
-        Ok(crate::vm::tail_lines(&path, lines))
-    }
-
     /// Every visible sandbox.
     pub fn list(&self) -> Vec<SandboxInfo> {
         self.shared
@@ -360,45 +362,30 @@ impl Orchestrator {
     }
 
     /// `DELETE /sandboxes/{id}`: invisible at once, then the supervisor tears down.
-    pub fn delete(&self, id: &str) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
-        let result = self.on_state_disk(DiskUse::Record, || {
+    fn delete(&self, id: &str) -> Result<(), OrchError> {
+        self.on_state_disk(DiskUse::Record, || {
             delete(&self.shared.registry, id, StopReason::Delete)
-        });
-        self.shared.operations.record("delete", result.is_ok());
-        result
+        })
     }
 
-    /// `POST …/timeout` (`shorten = true`) and `POST …/refreshes` (`shorten = false`).
-    pub fn set_timeout(&self, id: &str, secs: u64, shorten: bool) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
+    /// `POST …/timeout` ([`ExpiryChange::Set`]) and `POST …/refreshes`
+    /// ([`ExpiryChange::AtLeast`]).
+    fn set_timeout(&self, id: &str, secs: u64, change: ExpiryChange) -> Result<(), OrchError> {
         let entry = self.entry(id)?;
         admit(&entry, id, Call::Timeout)?;
-        extend_expiry(&entry, secs, shorten);
-        let how = if shorten {
-            "set to"
-        } else {
-            "extended to at least"
-        };
-        self.log_event(
-            id,
-            "timeout",
-            &Ok(()),
-            &format!("timeout {how} {secs} s from now"),
-        );
+        extend_expiry(&entry, secs, change);
         Ok(())
     }
 
     /// `PUT …/network` (network.md §5.6): replaces the sandbox's egress policy, applied at
     /// once to a running sandbox's slot and kept in its settings (a paused one gets it on
     /// resume). `allow_internet` `true` cannot reopen a sandbox created without access.
-    pub fn set_network(
+    fn set_network(
         &self,
         id: &str,
         policy: NetworkPolicy,
         allow_internet: Option<bool>,
     ) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
         let entry = self.entry(id)?;
         let _held = admit(&entry, id, Call::Network)?;
         if allow_internet == Some(true) && !entry.read(|i| i.settings.internet_access) {
@@ -435,18 +422,18 @@ impl Orchestrator {
         Ok(())
     }
 
-    /// `POST …/connect` (`is_connect`) and `…/resume`. A running sandbox only gets its
+    /// `POST …/connect` and `…/resume` (`kind`). A running sandbox only gets its
     /// expiry changed, with no hooks: connect never shortens it, resume resets it. A
     /// paused one is resumed (custom-extension.md §5.5).
     /// `from` [`PauseMode::Filesystem`] (E2B's `memory: false`) boots a paused sandbox from
     /// its disk whatever its pause kept.
-    pub fn connect(
+    fn connect(
         &self,
         id: &str,
-        (secs, is_connect): (u64, bool),
+        secs: u64,
+        kind: ConnectKind,
         from: PauseMode,
     ) -> Result<Connected, OrchError> {
-        self.refuse_when_shutting_down()?;
         let shared = &self.shared;
         let paused = self
             .entry(id)
@@ -456,216 +443,69 @@ impl Orchestrator {
         } else {
             DiskUse::Record
         };
-        let result = self.on_state_disk(op, || {
-            operations::resume(
-                &shared.registry,
-                &shared.launcher,
-                id,
-                (secs, is_connect),
-                from,
-            )
-        });
-        if result.as_ref().is_ok_and(|c| c.resumed) || result.is_err() {
-            self.shared.operations.record("resume", result.is_ok());
-            self.log_event(id, "resume", &result, "resumed");
-        }
-        result
+        self.on_state_disk(op, || {
+            operations::resume(&shared.registry, &shared.launcher, id, secs, kind, from)
+        })
     }
 
     /// `POST …/pause`: 204 once paused; a paused sandbox answers 204 with no hooks.
-    pub fn pause(&self, id: &str, request: PauseRequest) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn pause(&self, id: &str, request: PauseRequest) -> Result<(), OrchError> {
         let op = DiskUse::Pause {
             memory_mb: self.memory_of(id),
         };
-        let result = self.on_state_disk(op, || {
+        self.on_state_disk(op, || {
             operations::pause(&self.shared.registry, id, StopReason::Pause, request)
-        });
-        self.shared.operations.record("pause", result.is_ok());
-        self.log_event(id, "pause", &result, "paused");
-        result
+        })
     }
 
     /// `POST …/snapshots`.
-    pub fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRecord, OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRecord, OrchError> {
         let shared = &self.shared;
         let op = DiskUse::Snapshot {
             memory_mb: self.memory_of(id),
         };
         let _claims = self.claim_sandbox_mounts(id)?;
-        let result = self.on_state_disk(op, || {
+        self.on_state_disk(op, || {
             operations::snapshot(&shared.registry, &shared.snapshots, id, name)
-        });
-        self.shared.operations.record("snapshot", result.is_ok());
-        let taken = match &result {
-            Ok(r) => format!("snapshot {} taken", r.id),
-            Err(_) => String::new(),
-        };
-        self.log_event(id, "snapshot", &result, &taken);
-        result
-    }
-
-    /// Every snapshot captured from a sandbox (template builds are not listed).
-    pub fn snapshots(&self) -> Vec<SnapshotRecord> {
-        let mut list = self.shared.snapshots.list();
-        list.retain(|r| r.template.is_none());
-        list
-    }
-
-    /// A snapshot captured from a sandbox (not a template build).
-    pub fn find_snapshot(&self, id_or_name: &str) -> Option<SnapshotRecord> {
-        self.shared
-            .snapshots
-            .lookup(id_or_name)
-            .filter(|r| r.template.is_none())
-    }
-
-    /// A template build, or a snapshot viewed as a template.
-    pub fn find_template(
-        &self,
-        id_or_name: &str,
-    ) -> Option<(Option<TemplateBuild>, Option<SnapshotRecord>)> {
-        let snapshot = self.shared.snapshots.lookup(id_or_name);
-        let build = self.shared.builds.find(id_or_name).or_else(|| {
-            snapshot
-                .as_ref()
-                .and_then(|s| self.shared.builds.find(&s.id))
-        });
-        let snapshot = snapshot.or_else(|| {
-            build
-                .as_ref()
-                .and_then(|b| self.shared.snapshots.lookup(&b.id))
-        });
-        (build.is_some() || snapshot.is_some()).then_some((build, snapshot))
-    }
-
-    /// Every template build with its snapshot once ready (E2B builds are listed by
-    /// [`Orchestrator::catalog_templates`]).
-    pub fn templates(&self) -> Vec<(TemplateBuild, Option<SnapshotRecord>)> {
-        self.shared
-            .builds
-            .list()
-            .into_iter()
-            .filter(|b| b.catalog.is_none())
-            .map(|b| {
-                let snap = self.shared.snapshots.lookup(&b.id);
-                (b, snap)
-            })
-            .collect()
-    }
-
-    /// The E2B templates, each with its latest ready build (and that build's snapshot).
-    pub fn catalog_templates(&self) -> Vec<(CatalogTemplate, Option<SnapshotRecord>)> {
-        self.shared
-            .catalog
-            .list()
-            .into_iter()
-            .map(|t| {
-                let snap = t.current().and_then(|b| self.shared.snapshots.lookup(b));
-                (t, snap)
-            })
-            .collect()
-    }
-
-    /// An E2B template by id or name.
-    pub fn catalog_template(&self, id_or_name: &str) -> Option<CatalogTemplate> {
-        self.shared.catalog.find(id_or_name)
-    }
-
-    /// A build by id (any kind).
-    pub fn build(&self, build_id: &str) -> Option<TemplateBuild> {
-        self.shared
-            .builds
-            .find(build_id)
-            .filter(|b| b.id == build_id)
+        })
     }
 
     /// `POST /v3/templates`: a new build of `name` (the template made when new).
-    pub fn request_build(
+    fn request_build(
         &self,
         name: &str,
         tags: Vec<String>,
         resources: Resources,
     ) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
-        self.refuse_when_shutting_down()?;
         self.on_state_disk(DiskUse::Build, || {
             templates::request_build(&self.shared, name, tags, resources)
         })
     }
 
     /// `POST /v2/templates/{id}/builds/{buildID}`: the build starts with its steps.
-    pub fn start_build(
+    fn start_build(
         &self,
         template_id: &str,
         build_id: &str,
         spec: steps::BuildSpec,
     ) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
         self.on_state_disk(DiskUse::Build, || {
             templates::start_build(&self.shared, template_id, build_id, spec)
         })
     }
 
-    /// Whether a build's files of `hash` are uploaded already.
-    pub fn files_present(&self, hash: &str) -> bool {
-        self.shared.uploads.present(hash)
-    }
-
-    /// A token for the upload link of `hash`.
-    pub fn grant_upload(&self, hash: &str) -> String {
-        self.shared.uploads.grant(hash)
-    }
-
-    /// Whether `token` opens the upload link of `hash`.
-    pub fn check_upload(&self, hash: &str, token: &str) -> bool {
-        self.shared.uploads.check(hash, token)
-    }
-
-    /// The largest files upload taken.
-    pub fn max_upload_bytes(&self) -> u64 {
-        self.shared.uploads.max_bytes()
-    }
-
-    /// The `PUT` of a build's files (a tar, maybe gzipped).
-    pub fn receive_files(
-        &self,
-        hash: &str,
-        body: &mut dyn std::io::Read,
-    ) -> Result<(), UploadError> {
-        self.shared.uploads.receive(hash, body)
-    }
-
-    /// `POST /templates/tags`: `tags` for the build `target` (`name:tag`) points at.
-    pub fn assign_tags(&self, target: &str, tags: &[String]) -> Result<String, OrchError> {
-        self.shared.catalog.assign_tags(target, tags)
-    }
-
-    /// `DELETE /templates/tags`: builds no tag points at any more are deleted.
-    pub fn remove_tags(&self, name: &str, tags: &[String]) -> Result<(), OrchError> {
-        templates::remove_tags(&self.shared, name, tags)
-    }
-
-    /// At startup: builds the default template `base` in the background when none exists
-    /// (`[templates] build_base`).
-    pub fn ensure_base_template(&self) {
-        templates::ensure_base(&self.shared);
-    }
-
     /// `POST /templates`: 202 with the build, which goes on in the background.
-    pub fn submit_template(&self, req: TemplateRequest) -> Result<TemplateBuild, OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn submit_template(&self, req: TemplateRequest) -> Result<TemplateBuild, OrchError> {
         self.on_state_disk(DiskUse::Build, || templates::submit(&self.shared, req))
     }
 
     /// `DELETE /templates/{idOrName}`: a template or a snapshot; 409 while building.
     /// Sandboxes made from it keep working.
-    pub fn delete_template(&self, id_or_name: &str) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn delete_template(&self, id_or_name: &str) -> Result<(), OrchError> {
         if self.shared.catalog.find(id_or_name).is_some() {
             return templates::delete_catalog_template(&self.shared, id_or_name);
         }
-        if let Some((Some(build), _)) = self.find_template(id_or_name) {
+        if let Some((Some(build), _)) = self.catalog().find_template(id_or_name) {
             if matches!(build.status, BuildStatus::Waiting | BuildStatus::Building) {
                 return Err(OrchError::Conflict(format!(
                     "template {} is still {}",
@@ -684,19 +524,11 @@ impl Orchestrator {
     }
 
     /// `POST /sandboxes` (custom-extension.md §5.3): a new sandbox restored from a snapshot.
-    pub fn create_from_snapshot(&self, mut req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
-        self.refuse_when_shutting_down()?;
+    fn create_from_snapshot(&self, mut req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
         let _claims = self.resolve_mounts(&mut req.request.volume_mounts)?;
         let mounts = req.request.volume_mounts.clone();
-        let result = self
-            .on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req))
-            .and_then(|info| self.mount_in_guest(info, &mounts));
-        self.shared.operations.record("create", result.is_ok());
-        if let Ok(info) = &result {
-            let from = format!("sandbox created from {}", info.settings.template_id);
-            self.log_event(&info.id, "create", &Ok(()), &from);
-        }
-        result
+        self.on_state_disk(DiskUse::Create, || self.create_from_snapshot_inner(req))
+            .and_then(|info| self.mount_in_guest(info, &mounts))
     }
 
     /// The snapshot `key` names. While a `POST /templates` build of that name is still
@@ -806,16 +638,15 @@ impl Orchestrator {
 
     /// `POST …/fork`: `count` children from one checkpoint; each entry is the child or its
     /// error.
-    pub fn fork(
+    fn fork(
         &self,
         id: &str,
         count: u32,
         timeout_secs: Option<u64>,
     ) -> Result<Vec<Result<SandboxInfo, OrchError>>, OrchError> {
-        self.refuse_when_shutting_down()?;
         let _claims = self.claim_sandbox_mounts(id)?;
         let shared = &self.shared;
-        let result = self.on_state_disk(DiskUse::Create, || {
+        self.on_state_disk(DiskUse::Create, || {
             operations::fork(
                 &shared.registry,
                 &shared.launcher,
@@ -824,67 +655,17 @@ impl Orchestrator {
                 count,
                 timeout_secs,
             )
-        });
-        self.shared.operations.record("fork", result.is_ok());
-        if let Ok(forks) = &result {
-            let n = forks.iter().filter(|f| f.is_ok()).count();
-            self.log_event(
-                id,
-                "fork",
-                &Ok(()),
-                &format!("forked into {n} of {count} sandboxes"),
-            );
-        }
-        result
-    }
-
-    /// Notes an operation's outcome in the sandbox's log ([`sandbox_log`]).
-    fn log_event<T>(&self, id: &str, op: &'static str, result: &Result<T, OrchError>, done: &str) {
-        let Ok(entry) = self.entry(id) else {
-            return;
-        };
-        match result {
-            Ok(_) => entry.log.event(sandbox_log::LogLevel::Info, op, done),
-            Err(e) => entry.log.event(
-                sandbox_log::LogLevel::Warn,
-                op,
-                &format!("{op} failed: {e}"),
-            ),
-        }
-    }
-
-    /// A visible sandbox's log entries (api.md §4.26).
-    pub fn sandbox_log(
-        &self,
-        id: &str,
-        query: &sandbox_log::LogQuery,
-    ) -> Result<Vec<sandbox_log::LogEntry>, OrchError> {
-        let entry = self.entry(id)?;
-        if entry
-            .guest_agent_addr(self.shared.config.agent.port)
-            .is_some()
-        {
-            entry
-                .log
-                .read_console(&self.shared.registry.dir(id).join("console.log"));
-        }
-        Ok(entry.log.query(query))
-    }
-
-    /// Whether a custom extension is configured.
-    pub fn extension_enabled(&self) -> bool {
-        self.shared.launcher.hooks.enabled()
+        })
     }
 
     /// `PATCH …/custom-extension-params` (custom-extension.md §10.11, after the body checks): 404, 409 when
     /// not running, 400 when the extension is disabled, 502 when the hook failed; else the
     /// new full params, stored before the answer.
-    pub fn patch_params(
+    fn patch_params(
         &self,
         id: &str,
         patch: serde_json::Value,
     ) -> Result<serde_json::Value, OrchError> {
-        self.refuse_when_shutting_down()?;
         let entry = self.entry(id)?;
         admit(&entry, id, Call::PatchParams)?;
         let hooks = &self.shared.launcher.hooks;
@@ -911,15 +692,7 @@ impl Orchestrator {
         });
         let result = self.shared.disk.classify(DiskUse::Record, result);
         entry.end_patch();
-        self.shared
-            .operations
-            .record("patch_params", result.is_ok());
         result
-    }
-
-    /// Stored extension params, `{}` when empty; in every state.
-    pub fn custom_extension_params(&self, id: &str) -> Result<serde_json::Value, OrchError> {
-        Ok(self.get(id)?.settings.custom_extension_params)
     }
 
     /// The guest agent of a running sandbox, for a call that `call` admits.
@@ -942,7 +715,7 @@ impl Orchestrator {
     }
 
     /// `POST …/commands`.
-    pub fn run_command(&self, id: &str, req: CommandRequest) -> Result<ExecResult, OrchError> {
+    fn run_command(&self, id: &str, req: CommandRequest) -> Result<ExecResult, OrchError> {
         let entry = self.entry(id)?;
         let agent = self.agent_for(&entry, id, Call::Commands)?;
         let limit = self.shared.config.agent.max_concurrent_commands;
@@ -961,14 +734,14 @@ impl Orchestrator {
     }
 
     /// `GET …/files`.
-    pub fn read_file(&self, id: &str, path: &str) -> Result<FileDownload, OrchError> {
+    fn read_file(&self, id: &str, path: &str) -> Result<FileDownload, OrchError> {
         let entry = self.entry(id)?;
         let agent = self.agent_for(&entry, id, Call::Commands)?;
         Ok(agent.read_file(path)?)
     }
 
     /// `PUT …/files`.
-    pub fn write_file(
+    fn write_file(
         &self,
         id: &str,
         path: &str,
@@ -991,7 +764,7 @@ impl Orchestrator {
     /// `[sandbox] auto_resume_wait_secs` (then 503), and concurrent callers share the
     /// one resume. Errors: the resume's own (429 at capacity, 502 when start-resume
     /// failed, ...), 409 for a filesystem-only pause, 503 during shutdown.
-    pub fn route_waking(&self, id: &str) -> Result<EnvdRoute, OrchError> {
+    fn route_waking(&self, id: &str) -> Result<EnvdRoute, OrchError> {
         let route = envd::route(&self.shared.registry, id);
         if matches!(
             route,
@@ -1012,82 +785,6 @@ impl Orchestrator {
         envd::instance_alive(&self.shared.registry, id, instance)
     }
 
-    /// A visible sandbox's guest samples taken in `[start, end]` (unix seconds), oldest
-    /// first; a paused one gives what was kept of its life.
-    pub fn sandbox_metrics(
-        &self,
-        id: &str,
-        start: u64,
-        end: u64,
-    ) -> Result<Vec<guest_metrics::GuestSample>, OrchError> {
-        let entry = self.entry(id)?;
-        self.sample_if_unsampled(&entry);
-        Ok(entry.metrics.between(start, end))
-    }
-
-    /// The newest sample of each visible sandbox among `ids` that has one.
-    pub fn latest_metrics(&self, ids: &[String]) -> Vec<(String, guest_metrics::GuestSample)> {
-        ids.iter()
-            .filter_map(|id| {
-                let entry = self.entry(id).ok()?;
-                self.sample_if_unsampled(&entry);
-                Some((id.clone(), entry.metrics.latest()?))
-            })
-            .collect()
-    }
-
-    /// Asks a running guest once when the sampler has not (yet) done so, or is off.
-    fn sample_if_unsampled(&self, entry: &SandboxEntry) {
-        let sampler_off = self.shared.config.metrics.sandbox_interval_secs == 0;
-        if !sampler_off && entry.metrics.latest().is_some() {
-            return;
-        }
-        let live = entry
-            .guest_agent_addr(self.shared.config.agent.port)
-            .and_then(|addr| guest_metrics::sample_sandbox(entry, addr));
-        if let Some(sample) = live {
-            entry.metrics.push(sample);
-        }
-    }
-
-    /// Prometheus text for `GET /metrics`.
-    pub fn render_metrics(&self) -> String {
-        let mut out = String::new();
-        let listed = self.list();
-        let count = |s: &str| {
-            listed
-                .iter()
-                .filter(|i| i.state().api_state() == Some(s))
-                .count()
-        };
-        metrics::render_state_gauge(
-            &mut out,
-            "agentenv_sandboxes",
-            "Sandboxes by API state.",
-            &[("running", count("running")), ("paused", count("paused"))],
-        );
-        self.shared.operations.render(&mut out);
-        self.shared.launcher.hooks.render_metrics(&mut out);
-        self.shared.launcher.standby.render_metrics(&mut out);
-        self.shared.launcher.deaths.render(&mut out);
-        let slots = self.shared.launcher.net.stats();
-        metrics::render_state_gauge(
-            &mut out,
-            "agentenv_network_slots",
-            "Network slots in use and waiting in the pool.",
-            &[("in_use", slots.in_use), ("pooled", slots.pooled)],
-        );
-        self.shared.launcher.admission.render_metrics(&mut out);
-        self.shared.disk.render_metrics(&mut out);
-        guest_metrics::render_egress(&mut out, &self.shared.registry.entries());
-        out
-    }
-
-    /// This host's name, as the console shows it next to each sandbox.
-    pub fn node_name(&self) -> String {
-        crate::sys::fs::host_name()
-    }
-
     /// Graceful shutdown (custom-extension.md §9.1): refuse new work, pause every running sandbox (stop
     /// reason `shutdown`; one whose pause fails is kept, never deleted), give pending stop
     /// retries a final attempt, release the network.
@@ -1095,7 +792,7 @@ impl Orchestrator {
     /// Bounded by `[server] shutdown_timeout_secs`: returns `false` when that ran out
     /// (the caller exits with status 1; the VMs die with the process and their journal
     /// entries stay open for the next start, custom-extension.md §9.1).
-    pub fn shutdown(&self) -> bool {
+    fn shutdown(&self) -> bool {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
         let (registry, launcher) = (self.shared.registry.clone(), self.shared.launcher.clone());
@@ -1207,11 +904,11 @@ fn is_empty_params(v: &serde_json::Value) -> bool {
     v.is_null() || v.as_object().is_some_and(|m| m.is_empty())
 }
 
-/// Sets `endAt` to now + `secs`; without `shorten` only a later expiry is taken.
-pub(crate) fn extend_expiry(entry: &SandboxEntry, secs: u64, shorten: bool) {
+/// Sets `endAt` to now + `secs`; [`ExpiryChange::AtLeast`] takes only a later expiry.
+pub(crate) fn extend_expiry(entry: &SandboxEntry, secs: u64, change: ExpiryChange) {
     let new_end = SystemTime::now() + Duration::from_secs(secs);
     entry.update(|info| {
-        if shorten || new_end > info.end_at {
+        if change == ExpiryChange::Set || new_end > info.end_at {
             info.end_at = new_end;
         }
     });

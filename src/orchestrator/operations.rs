@@ -12,7 +12,7 @@ use super::snapshots::{SnapshotRecord, Snapshots};
 use super::standby::Claimed;
 use super::start::{self, Launcher, StartKind, StartRequest, Started};
 use super::supervisor::{self, PauseOutcome, RunDir, Watch};
-use super::{ColdStart, Connected, OrchError};
+use super::{ColdStart, ConnectKind, Connected, ExpiryChange, OrchError};
 use crate::hooks::StopReason;
 use crate::image::ImageStore;
 use crate::vm::{self, CaptureRecord};
@@ -314,18 +314,18 @@ pub(crate) fn resume(
     registry: &Arc<Registry>,
     launcher: &Arc<Launcher>,
     id: &str,
-    (secs, is_connect): (u64, bool),
+    secs: u64,
+    kind: ConnectKind,
     from: PauseMode,
 ) -> Result<Connected, OrchError> {
     let entry = registry.entry(id)?;
-    let call = if is_connect {
-        Call::Connect
-    } else {
-        Call::Resume
+    let (call, expiry) = match kind {
+        ConnectKind::Connect => (Call::Connect, ExpiryChange::AtLeast),
+        ConnectKind::Resume => (Call::Resume, ExpiryChange::Set),
     };
     let _guard = match admit(&entry, id, call)? {
         Admitted::AlreadyDone(_) => {
-            super::extend_expiry(&entry, secs, !is_connect);
+            super::extend_expiry(&entry, secs, expiry);
             let info = entry.info();
             return Ok(Connected {
                 info,

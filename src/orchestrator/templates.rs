@@ -590,6 +590,7 @@ fn run_builds(shared: &Arc<Shared>) {
 }
 
 fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
+    let started = std::time::Instant::now();
     let builds = &shared.builds;
     builds.update(id, BuildStatus::Building, None);
     let progress = builds.find(id).map(|b| b.progress).unwrap_or_default();
@@ -652,7 +653,9 @@ fn run_build(shared: &Arc<Shared>, id: &str, req: TemplateRequest) {
             b.reason = None;
         }
     });
-    shared.operations.record("template_build", ok);
+    shared
+        .operations
+        .record("template_build", ok, started.elapsed());
 }
 
 /// The reason of a failed build: its last error entry.

@@ -7,20 +7,18 @@ use super::{OrchError, Orchestrator, SandboxInfo};
 use crate::agent::{AgentClient, AgentError, ExecRequest};
 use crate::config::VolumesConfig;
 use crate::volume::nfs::Export;
-use crate::volume::{Volume, VolumeClaim, VolumeRecord};
+use crate::volume::{VolumeClaim, VolumeRecord};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 impl Orchestrator {
     /// `POST /volumes`: a new volume `name` of `size_mb` MiB (`[volumes] default_size_mb`
     /// when `None`).
-    pub fn create_volume(
+    pub(super) fn create_volume(
         &self,
         name: &str,
         size_mb: Option<u64>,
     ) -> Result<VolumeRecord, OrchError> {
-        self.refuse_when_shutting_down()?;
         if !super::snapshots::valid_name(name) {
             return Err(OrchError::BadRequest(format!(
                 "name: {name:?} must match [A-Za-z0-9_-]{{1,128}} and must not look like a UUID"
@@ -35,59 +33,34 @@ impl Orchestrator {
                 cfg.max_size_mb
             )));
         }
-        let result = self.on_state_disk(super::DiskUse::Create, || {
+        let record = self.on_state_disk(super::DiskUse::Create, || {
             self.shared.volumes.create(name, size).map_err(|e| match e {
                 crate::volume::VolumeError::Exists(_) => {
                     OrchError::Conflict(format!("name: a volume named {name} exists already"))
                 }
                 other => other.into(),
             })
-        });
-        self.shared
-            .operations
-            .record("create_volume", result.is_ok());
-        if let Ok(r) = &result {
-            log::info!(
-                "op=create_volume volumeId={} name={} sizeMB={size}",
-                r.id,
-                r.name
-            );
-        }
-        result
-    }
-
-    pub fn list_volumes(&self) -> Vec<VolumeRecord> {
-        self.shared.volumes.list()
-    }
-
-    /// A volume by id (the content API's too).
-    pub fn volume(&self, id: &str) -> Result<Arc<Volume>, OrchError> {
-        self.shared
-            .volumes
-            .get(id)
-            .ok_or_else(|| OrchError::NotFound(format!("volume {id} not found")))
+        })?;
+        log::info!(
+            "op=create_volume volumeId={} name={} sizeMB={size}",
+            record.id,
+            record.name
+        );
+        Ok(record)
     }
 
     /// `DELETE /volumes/{id}`: 409 while a sandbox (any state) or a snapshot mounts it, or a
     /// create, fork or snapshot that will is in progress (its [`VolumeClaim`]).
-    pub fn delete_volume(&self, id: &str) -> Result<(), OrchError> {
-        self.refuse_when_shutting_down()?;
-        let result = self
+    pub(super) fn delete_volume(&self, id: &str) -> Result<(), OrchError> {
+        let deleted = self
             .shared
             .volumes
-            .delete(id, |record| self.volume_users(record))
-            .map_err(OrchError::from);
-        self.shared
-            .operations
-            .record("delete_volume", result.is_ok());
-        match result {
-            Ok(true) => {
-                log::info!("op=delete_volume volumeId={id}");
-                Ok(())
-            }
-            Ok(false) => Err(OrchError::NotFound(format!("volume {id} not found"))),
-            Err(e) => Err(e),
+            .delete(id, |record| self.volume_users(record))?;
+        if !deleted {
+            return Err(OrchError::NotFound(format!("volume {id} not found")));
         }
+        log::info!("op=delete_volume volumeId={id}");
+        Ok(())
     }
 
     /// Who mounts `volume`, as the 409 says it: the sandboxes (registered, any state) and

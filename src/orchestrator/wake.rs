@@ -107,7 +107,8 @@ fn start_wake(
                 &registry,
                 &launcher,
                 &sandbox,
-                (secs, true),
+                secs,
+                super::ConnectKind::Connect,
                 PauseMode::Full,
             );
             match &result {
