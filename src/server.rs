@@ -6,6 +6,7 @@ use crate::config::{self, Config};
 use crate::hooks::HookClient;
 use crate::net::SlotManager;
 use crate::orchestrator::{Orchestrator, Request};
+use crate::store::layout::StateLayout;
 use crate::{preflight, store, sys};
 use std::path::Path;
 use std::sync::Arc;
@@ -49,7 +50,7 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     // disks, captures and RAM files hold guest data.
     sys::fs::set_umask(0o077);
     store::ensure_private_dir(state_dir)?;
-    let lock_path = state_dir.join("agentenv.lock");
+    let lock_path = StateLayout::new(state_dir).server_lock();
     let _lock = sys::fs::try_lock_exclusive(&lock_path)?.ok_or_else(|| {
         StartupError(format!(
             "another agentenv holds {}; stop it first (one server owns a host's slots)",
@@ -78,7 +79,10 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
              untrusted guests on a host with KVM\""
         );
     }
-    let hooks = HookClient::start(&config.custom_extension, state_dir.join("journal"))?;
+    let hooks = HookClient::start(
+        &config.custom_extension,
+        StateLayout::new(state_dir).journal(),
+    )?;
     // Slots recorded for open instances stay until their recovery stop's first attempt,
     // so the extension can still enter the namespace (network.md §6.3, custom-extension.md §9.3).
     let kept = hooks.recovering_slots();
@@ -195,7 +199,7 @@ fn resolve_api_key(config: &Config) -> Result<String, StartupError> {
     if let Some(key) = &config.server.api_key {
         return Ok(key.clone());
     }
-    let path = config.server.state_dir.join("api-key");
+    let path = StateLayout::new(&config.server.state_dir).api_key();
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let key = text.trim().to_string();

@@ -88,7 +88,7 @@ fn first_command(args: &[String]) -> Option<&str> {
 /// Prints the image cache (pulled blobs and built base disks), most recently used first.
 fn list_images(config: Option<&std::path::Path>) -> Result<(), String> {
     let config = agentenv::config::Config::load(config).map_err(|e| e.to_string())?;
-    let dir = config.server.state_dir.join("images");
+    let dir = agentenv::store::layout::StateLayout::new(&config.server.state_dir).images();
     // Read-only: unlike ImageStore, this leaves a running server's downloads alone.
     let entries = agentenv::image::cache::BlobCache::new(dir.clone())
         .list()

@@ -210,7 +210,7 @@ fn key_from_config(local: &Result<Config, String>) -> Result<String, String> {
     if let Some(k) = &config.server.api_key {
         return Ok(k.clone());
     }
-    let path = config.server.state_dir.join("api-key");
+    let path = crate::store::layout::StateLayout::new(&config.server.state_dir).api_key();
     std::fs::read_to_string(&path)
         .map(|k| k.trim().to_string())
         .map_err(|e| {

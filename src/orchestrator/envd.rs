@@ -106,7 +106,7 @@ pub(crate) fn route(registry: &Registry, id: &str) -> EnvdRoute {
 
 fn route_of(entry: &SandboxEntry) -> EnvdRoute {
     let info = entry.info();
-    let instance = entry.runtime.lock().as_ref().map(|rt| rt.instance);
+    let instance = entry.runtime().map(|rt| rt.instance);
     let serving = matches!(
         info.state(),
         SandboxState::Running | SandboxState::Snapshotting | SandboxState::Forking

@@ -370,7 +370,7 @@ fn a_pause_whose_commit_fails_keeps_the_capture_and_stays_resumable() {
         .unwrap_err();
     assert!(e.to_string().contains("could not be saved"), "{e}");
     assert_eq!(entry.state(), SandboxState::Paused);
-    let capture = entry.paused.lock().clone().expect("the capture is kept");
+    let capture = entry.paused_capture().expect("the capture is kept");
     assert!(
         capture.state_file.is_file(),
         "{}",
@@ -598,10 +598,10 @@ fn a_guest_that_breaks_the_agent_protocol_gets_its_sandbox_marked_and_others_run
     assert!(mark.contains("broke the agent protocol"), "{mark}");
     // The sandbox itself stays (running, deletable); its agent channel is closed.
     assert_eq!(bad.state(), SandboxState::Running);
-    let agent = bad.runtime.lock().as_ref().unwrap().agent.clone();
+    let agent = bad.runtime().unwrap().agent;
     assert!(agent.ping(Duration::from_secs(1)).is_err());
     // The other sandbox is untouched.
-    let other = good.runtime.lock().as_ref().unwrap().agent.clone();
+    let other = good.runtime().unwrap().agent;
     other.ping(Duration::from_secs(5)).unwrap();
     assert!(good.read(|i| i.guest_protocol_violation.is_none()));
     delete(&rig.registry, "sb-bad", StopReason::Delete).unwrap();

@@ -184,7 +184,7 @@ pub(crate) fn sample_sandbox(entry: &SandboxEntry, addr: SocketAddr) -> Option<G
 
 /// The running sandbox's egress counters, from its supervisor (which owns the slot).
 fn egress_counts(entry: &SandboxEntry) -> Option<crate::net::EgressCounts> {
-    let ops = entry.runtime.lock().as_ref()?.ops.clone();
+    let ops = entry.runtime()?.ops;
     let (reply, answer) = crossbeam_channel::bounded(1);
     ops.send(super::sandbox::Op::EgressCounts { reply }).ok()?;
     answer.recv_timeout(GUEST_TIMEOUT).ok().flatten()
@@ -198,7 +198,7 @@ pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxE
     use std::fmt::Write;
     let latest: Vec<(String, GuestSample)> = entries
         .iter()
-        .filter(|e| e.runtime.lock().is_some())
+        .filter(|e| e.has_runtime())
         .filter_map(|e| Some((e.id(), e.metrics.latest()?)))
         .collect();
     for (name, help, value) in [

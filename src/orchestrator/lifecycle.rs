@@ -69,7 +69,7 @@ pub(crate) fn admit_within<'a>(
                 // The transition's owner holds the lock; getting it means it ended, unless
                 // the state did not move: an operation that failed midway (a panic) left
                 // it behind. Then the wait is bounded by the deadline like any other.
-                match entry.lifecycle.try_lock_until(deadline) {
+                match entry.lifecycle().try_lock_until(deadline) {
                     Some(guard) => {
                         let stuck = entry.state() == state;
                         drop(guard);
@@ -93,7 +93,7 @@ pub(crate) fn admit_within<'a>(
             }
             Decision::Proceed if !is_lifecycle(call) => return Ok(Admitted::Proceed(None)),
             Decision::Proceed => {
-                let Some(guard) = entry.lifecycle.try_lock_until(deadline) else {
+                let Some(guard) = entry.lifecycle().try_lock_until(deadline) else {
                     return Err(OrchError::Conflict(format!(
                         "sandbox {id} is still {}",
                         entry.state().name()
@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn waits_through_a_transition_then_decides_again() {
         let e = Arc::new(entry(SandboxState::Pausing));
-        let guard = e.lifecycle.lock();
+        let guard = e.lifecycle().lock();
         let e2 = e.clone();
         let t = std::thread::spawn(move || {
             matches!(
@@ -185,7 +185,7 @@ mod tests {
     #[test]
     fn a_wait_that_runs_out_is_409() {
         let e = entry(SandboxState::Resuming);
-        let _guard = e.lifecycle.lock();
+        let _guard = e.lifecycle().lock();
         let err = admit_within(&e, "s", Call::Connect, Duration::from_millis(50)).unwrap_err();
         assert_eq!(
             err,

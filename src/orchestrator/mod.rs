@@ -63,6 +63,7 @@ use crate::config::Config;
 use crate::hooks::{HookClient, StopReason};
 use crate::image::ImageStore;
 use crate::net::SlotManager;
+use crate::store::layout::StateLayout;
 use crate::vm::Accel;
 use lifecycle::{admit, Admitted};
 use metrics::OperationCounters;
@@ -174,17 +175,18 @@ impl Orchestrator {
         hooks: Arc<HookClient>,
         accel: Accel,
     ) -> Orchestrator {
+        let layout = StateLayout::new(&config.server.state_dir);
         let images = ImageStore::with_options(
-            config.server.state_dir.join("images"),
+            layout.images(),
             crate::image::ImageOptions::from(&config.images),
         );
-        let snapshots = snapshots::Snapshots::load(config.server.state_dir.join("snapshots"));
-        let sandboxes_dir = config.server.state_dir.join("sandboxes");
+        let snapshots = snapshots::Snapshots::load(layout.snapshots());
+        let sandboxes_dir = layout.sandboxes();
         let sandboxes = load_sandboxes(&sandboxes_dir);
-        let builds = templates::Builds::load(config.server.state_dir.join("templates"));
+        let builds = templates::Builds::load(layout.templates());
         // Build sandboxes are internal and never survive a restart (their builds became
         // `error` above); their disks go.
-        let build_dirs = config.server.state_dir.join("template-builds");
+        let build_dirs = layout.template_builds();
         if let Err(e) = std::fs::remove_dir_all(&build_dirs) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 log::warn!("op=recover path={} error={e}", build_dirs.display());
@@ -218,14 +220,12 @@ impl Orchestrator {
         let idempotency = idempotency::IdempotencyKeys::new(Duration::from_secs(
             config.sandbox.idempotency_window_secs,
         ));
-        let catalog = catalog::Catalog::load(config.server.state_dir.join("catalog"));
-        let step_cache = step_cache::StepCache::new(config.server.state_dir.join("build-cache"));
-        let uploads = build_files::Uploads::new(
-            config.server.state_dir.join("template-files"),
-            config.templates.max_upload_bytes,
-        );
+        let catalog = catalog::Catalog::load(layout.catalog());
+        let step_cache = step_cache::StepCache::new(layout.build_cache());
+        let uploads =
+            build_files::Uploads::new(layout.template_files(), config.templates.max_upload_bytes);
         let disk = launcher.disk.clone();
-        let volumes = crate::volume::VolumeStore::load(config.server.state_dir.join("volumes"));
+        let volumes = crate::volume::VolumeStore::load(layout.volumes());
         let shared = Arc::new(Shared {
             host,
             volumes,
@@ -394,7 +394,7 @@ impl Orchestrator {
                  or [network] outbound is off); create a new sandbox to get it"
             )));
         }
-        let runtime = entry.runtime.lock().clone();
+        let runtime = entry.runtime();
         if let Some(rt) = runtime {
             let (reply, done) = crossbeam_channel::bounded(1);
             let op = sandbox::Op::SetEgress {
@@ -415,7 +415,7 @@ impl Orchestrator {
         };
         let record = records::SandboxRecord {
             info,
-            paused: entry.paused.lock().clone(),
+            paused: entry.paused_capture(),
         };
         records::save(&self.shared.registry.dir(id), &record)?;
         log::info!("sandboxId={id} op=set_network result=ok");
@@ -707,10 +707,8 @@ impl Orchestrator {
             return Err(OrchError::InsufficientStorage(pause.message.clone()));
         }
         entry
-            .runtime
-            .lock()
-            .as_ref()
-            .map(|rt| rt.agent.clone())
+            .runtime()
+            .map(|rt| rt.agent)
             .ok_or_else(|| OrchError::Conflict(format!("sandbox {id} is not running")))
     }
 
@@ -852,7 +850,7 @@ pub(crate) fn delete(registry: &Registry, id: &str, reason: StopReason) -> Resul
     entry.set_state(SandboxState::Deleting)?;
     // No patch-params may follow the instance's stop (custom-extension.md §6.4).
     entry.wait_patches();
-    let runtime = entry.runtime.lock().take();
+    let runtime = entry.take_runtime();
     if let Some(runtime) = runtime {
         runtime.delete(reason);
     } else {
@@ -893,7 +891,7 @@ fn load_sandboxes(dir: &std::path::Path) -> HashMap<String, Arc<SandboxEntry>> {
             );
             let id = record.info.id.clone();
             let entry = SandboxEntry::new(record.info, None);
-            *entry.paused.lock() = record.paused;
+            entry.set_paused_capture(record.paused);
             (id, Arc::new(entry))
         })
         .collect()
@@ -936,20 +934,18 @@ struct CommandPermit<'a> {
 
 impl<'a> CommandPermit<'a> {
     fn take(entry: &'a SandboxEntry, limit: u32) -> Result<CommandPermit<'a>, OrchError> {
-        let previous = entry.running_commands.fetch_add(1, Ordering::SeqCst);
-        let permit = CommandPermit { entry };
-        if previous >= limit {
+        if !entry.begin_command(limit) {
             return Err(OrchError::TooMany(format!(
                 "{limit} commands are already running in this sandbox (agent.max_concurrent_commands)"
             )));
         }
-        Ok(permit)
+        Ok(CommandPermit { entry })
     }
 }
 
 impl Drop for CommandPermit<'_> {
     fn drop(&mut self) {
-        self.entry.running_commands.fetch_sub(1, Ordering::SeqCst);
+        self.entry.end_command();
     }
 }
 

@@ -198,7 +198,7 @@ pub(crate) fn pause(
     let started = Instant::now();
     entry.set_state(SandboxState::Pausing)?;
     entry.wait_patches();
-    let Some(runtime) = entry.runtime.lock().clone() else {
+    let Some(runtime) = entry.runtime() else {
         entry.set_state(SandboxState::Running)?;
         return Err(OrchError::Internal(format!("sandbox {id} has no VM")));
     };
@@ -233,8 +233,7 @@ pub(crate) fn pause(
     match outcome {
         PauseOutcome::Paused => {
             let capture = records_capture(&sandbox_dir);
-            *entry.runtime.lock() = None;
-            *entry.paused.lock() = capture;
+            entry.set_paused_capture(capture);
             entry.update(|i| i.pause_mode = Some(request.mode));
             entry.set_state(SandboxState::Paused)?;
             log::info!(
@@ -247,8 +246,7 @@ pub(crate) fn pause(
         PauseOutcome::Uncommitted(capture, e) => {
             // Never thrown away: resumable from memory now; a restart finds the capture
             // under a record that still says running and quarantines it.
-            *entry.runtime.lock() = None;
-            *entry.paused.lock() = Some(*capture);
+            entry.set_paused_capture(Some(*capture));
             entry.update(|i| i.pause_mode = Some(request.mode));
             entry.set_state(SandboxState::Paused)?;
             log::error!(
@@ -357,8 +355,7 @@ pub(crate) fn resume(
                 }
             };
             let dir = registry.dir(id);
-            *entry.runtime.lock() = Some(runtime);
-            *entry.paused.lock() = None;
+            entry.set_running_vm(runtime);
             // The paused capture goes only once the running record replaced it: until
             // then it is what a restart finds (a consistent capture, since the guest now
             // writes to a new top layer).
@@ -398,9 +395,7 @@ fn restore_paused(
     from: PauseMode,
 ) -> Result<(RuntimeHandle, SlotFacts), OrchError> {
     let mut capture = entry
-        .paused
-        .lock()
-        .clone()
+        .paused_capture()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
     if from == PauseMode::Filesystem {
         // Its disk only: the saved memory is left as it is (removed with the capture
@@ -512,9 +507,7 @@ fn capture_running(
     snapshot_id: &str,
 ) -> Result<CaptureRecord, OrchError> {
     let runtime = entry
-        .runtime
-        .lock()
-        .clone()
+        .runtime()
         .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no VM")))?;
     let dir = snapshots.dir(snapshot_id);
     let (tx, rx) = crossbeam_channel::bounded(1);

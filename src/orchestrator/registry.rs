@@ -68,7 +68,7 @@ impl Registry {
     pub fn forget_dead(&self, id: &str, death: &str) {
         self.deaths.remember(id, death.to_string());
         if let Some(entry) = self.unregister(id) {
-            entry.runtime.lock().take();
+            entry.take_runtime();
             if let Err(e) = entry.set_state(SandboxState::Deleting) {
                 log::error!("sandboxId={id} op=forget_dead error=\"{e}\"");
             }

@@ -7,7 +7,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -322,16 +322,16 @@ pub struct SandboxEntry {
     info: Mutex<SandboxInfo>,
     /// Held for the whole of a lifecycle operation (api.md §2.2): operations on one
     /// sandbox are serialised, other sandboxes and reads never wait for it.
-    pub lifecycle: Mutex<()>,
+    lifecycle: Mutex<()>,
     /// Present while a VM runs.
-    pub runtime: Mutex<Option<RuntimeHandle>>,
+    runtime: Mutex<Option<RuntimeHandle>>,
     /// The committed capture while paused.
-    pub paused: Mutex<Option<crate::vm::CaptureRecord>>,
-    pub running_commands: AtomicU32,
+    paused: Mutex<Option<crate::vm::CaptureRecord>>,
+    running_commands: AtomicU32,
     /// Whether an auto-resume runs ([`super::wake`]); its failure, for the requests that
     /// wait on it.
-    pub waking: AtomicBool,
-    pub wake_error: Mutex<Option<super::OrchError>>,
+    waking: AtomicBool,
+    wake_error: Mutex<Option<super::OrchError>>,
     /// patch-params calls in flight; pause, delete and snapshot wait for them (custom-extension.md §6.4).
     patches: Mutex<u32>,
     patches_done: Condvar,
@@ -366,6 +366,78 @@ impl SandboxEntry {
             && info.paused_on_io_error.is_none()
             && self.runtime.lock().is_some();
         running.then(|| std::net::SocketAddr::from((info.host_ip, agent_port)))
+    }
+
+    /// The lock held for the whole of a lifecycle operation ([`super::lifecycle::admit`]).
+    pub fn lifecycle(&self) -> &Mutex<()> {
+        &self.lifecycle
+    }
+
+    /// The running VM's handle; `None` while no VM runs.
+    pub fn runtime(&self) -> Option<RuntimeHandle> {
+        self.runtime.lock().clone()
+    }
+
+    /// Whether a VM runs.
+    pub fn has_runtime(&self) -> bool {
+        self.runtime.lock().is_some()
+    }
+
+    /// Takes the VM's handle away (a delete, a VM that died): no call reaches it after.
+    pub fn take_runtime(&self) -> Option<RuntimeHandle> {
+        self.runtime.lock().take()
+    }
+
+    /// A resume or boot succeeded: `runtime` runs it and no capture is held any more.
+    pub fn set_running_vm(&self, runtime: RuntimeHandle) {
+        *self.runtime.lock() = Some(runtime);
+        *self.paused.lock() = None;
+    }
+
+    /// A pause ended its VM: `capture` is what it kept (`None` when unreadable).
+    pub fn set_paused_capture(&self, capture: Option<crate::vm::CaptureRecord>) {
+        *self.runtime.lock() = None;
+        *self.paused.lock() = capture;
+    }
+
+    /// The capture a paused sandbox holds.
+    pub fn paused_capture(&self) -> Option<crate::vm::CaptureRecord> {
+        self.paused.lock().clone()
+    }
+
+    /// Counts one more running command; `false` (and nothing counted) at `limit`.
+    pub fn begin_command(&self, limit: u32) -> bool {
+        let previous = self.running_commands.fetch_add(1, Ordering::SeqCst);
+        if previous >= limit {
+            self.running_commands.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    pub fn end_command(&self) {
+        self.running_commands.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Marks an auto-resume as started; `false` when one runs already (the caller
+    /// waits for it). A new wake forgets the previous one's failure.
+    pub fn begin_wake(&self) -> bool {
+        if self.waking.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        *self.wake_error.lock() = None;
+        true
+    }
+
+    /// The auto-resume ended, with its failure if it failed.
+    pub fn end_wake(&self, error: Option<super::OrchError>) {
+        *self.wake_error.lock() = error;
+        self.waking.store(false, Ordering::Release);
+    }
+
+    /// The last auto-resume's failure.
+    pub fn wake_error(&self) -> Option<super::OrchError> {
+        self.wake_error.lock().clone()
     }
 
     /// Counts a PATCH in flight if the sandbox is running; `false` otherwise (409).

@@ -87,7 +87,7 @@ impl Launcher {
             spawn: supervisor::spawn_thread,
             standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
             deaths,
-            volumes_dir: config.server.state_dir.join("volumes"),
+            volumes_dir: crate::store::layout::StateLayout::new(&config.server.state_dir).volumes(),
             disk: Arc::new(StateDisk::new(
                 config.server.state_dir.clone(),
                 config.server.disk_reserve_mb,

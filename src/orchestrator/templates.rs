@@ -760,11 +760,8 @@ fn build(
     progress.set(BuildPhase::Booting);
     let sandbox_id = crate::util::new_id();
     let run_dir = RunDir::create(
-        shared
-            .config
-            .server
-            .state_dir
-            .join("template-builds")
+        crate::store::layout::StateLayout::new(&shared.config.server.state_dir)
+            .template_builds()
             .join(&sandbox_id),
     )?;
     let settings = SandboxSettings {

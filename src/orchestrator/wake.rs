@@ -15,7 +15,6 @@ use super::sandbox::{SandboxEntry, SandboxState};
 use super::settings::PauseMode;
 use super::start::Launcher;
 use super::OrchError;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,7 +46,7 @@ pub(crate) fn route_waking(
         if matches!(now, EnvdRoute::Running(_)) {
             return Ok(now);
         }
-        if let Some(e) = entry.wake_error.lock().clone() {
+        if let Some(e) = entry.wake_error() {
             return Err(e);
         }
         // Deleted, or its VM died: answer as for any sandbox that is gone.
@@ -93,10 +92,9 @@ fn start_wake(
     entry: &Arc<SandboxEntry>,
     id: &str,
 ) {
-    if entry.waking.swap(true, Ordering::AcqRel) {
+    if !entry.begin_wake() {
         return;
     }
-    *entry.wake_error.lock() = None;
     let (registry, launcher, entry2) = (registry.clone(), launcher.clone(), entry.clone());
     let sandbox = id.to_string();
     let spawned = std::thread::Builder::new()
@@ -116,17 +114,13 @@ fn start_wake(
                     "sandboxId={sandbox} op=auto_resume result=ok resumed={}",
                     c.resumed
                 ),
-                Err(e) => {
-                    log::warn!("sandboxId={sandbox} op=auto_resume error=\"{e}\"");
-                    *entry2.wake_error.lock() = Some(e.clone());
-                }
+                Err(e) => log::warn!("sandboxId={sandbox} op=auto_resume error=\"{e}\""),
             }
-            entry2.waking.store(false, Ordering::Release);
+            entry2.end_wake(result.err());
         });
     if let Err(e) = spawned {
-        entry.waking.store(false, Ordering::Release);
-        *entry.wake_error.lock() = Some(OrchError::Unavailable(format!(
+        entry.end_wake(Some(OrchError::Unavailable(format!(
             "cannot start the auto-resume of sandbox {id}: {e}"
-        )));
+        ))));
     }
 }

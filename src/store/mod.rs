@@ -1,6 +1,8 @@
 //! Durable files: every record is written atomically (temp file, fsync, rename, fsync of
 //! the directory), so a crash leaves either the old or the new content, never a mix.
 
+pub mod layout;
+
 use crate::sys;
 use std::fmt;
 use std::fs::{self, File};
@@ -117,8 +119,8 @@ pub fn quarantine_dest(state_dir: &Path, path: &Path) -> PathBuf {
         .and_then(Path::file_name)
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    state_dir
-        .join("quarantine")
+    layout::StateLayout::new(state_dir)
+        .quarantine()
         .join(format!("{kind}-{name}-{}", crate::util::new_id()))
 }
 
