@@ -357,40 +357,7 @@ impl ImageStore {
             .iter()
             .zip(&image.config.rootfs.diff_ids)
         {
-            let what = format!("layer {}", layer.digest);
-            let blob = VerifyingReader::new(
-                source.open_blob(layer)?,
-                &layer.digest,
-                Some(layer.size),
-                what.clone(),
-            );
-            let uncompressed = format!("{what} (uncompressed)");
-            // A tampered blob is reported as such, not as the tar error it caused. After a
-            // refused layer only the compressed blob (bounded by its descriptor's size) is
-            // read to its end, never the rest of a decompression bomb.
-            match layout::layer_compression(&layer.media_type)? {
-                Compression::None => {
-                    let mut tar = VerifyingReader::new(blob, diff_id, None, uncompressed);
-                    let applied = unpacker.apply_layer(&mut tar, &what);
-                    let verified = match &applied {
-                        Ok(()) => tar.finish().and_then(VerifyingReader::finish),
-                        Err(_) => tar.into_inner_unchecked().finish(),
-                    };
-                    prefer_digest_error(applied, verified.map(drop))?;
-                }
-                Compression::Gzip => {
-                    let gz = flate2::read::MultiGzDecoder::new(blob);
-                    let mut tar = VerifyingReader::new(gz, diff_id, None, uncompressed);
-                    let applied = unpacker.apply_layer(&mut tar, &what);
-                    let verified = match &applied {
-                        Ok(()) => tar
-                            .finish_within(TRAILING_LIMIT)
-                            .and_then(|gz| gz.into_inner().finish()),
-                        Err(_) => tar.into_inner_unchecked().into_inner().finish(),
-                    };
-                    prefer_digest_error(applied, verified.map(drop))?;
-                }
-            }
+            apply_verified_layer(&mut unpacker, source, layer, diff_id)?;
         }
         let fixups = unpacker.finish()?;
         timings.unpack_ms = elapsed_ms(started);
@@ -421,6 +388,51 @@ impl ImageStore {
         timings.mkfs_ms = elapsed_ms(started);
         Ok(())
     }
+}
+
+/// Unpacks one layer blob of `source` into `unpacker`, checking the blob against its
+/// descriptor's digest and size and the uncompressed tar against its diff ID.
+fn apply_verified_layer(
+    unpacker: &mut unpack::Unpacker,
+    source: &dyn BlobSource,
+    layer: &layout::Descriptor,
+    diff_id: &str,
+) -> Result<(), ImageError> {
+    let what = format!("layer {}", layer.digest);
+    let blob = VerifyingReader::new(
+        source.open_blob(layer)?,
+        &layer.digest,
+        Some(layer.size),
+        what.clone(),
+    );
+    let uncompressed = format!("{what} (uncompressed)");
+    // A tampered blob is reported as such, not as the tar error it caused. After a
+    // refused layer only the compressed blob (bounded by its descriptor's size) is
+    // read to its end, never the rest of a decompression bomb.
+    match layout::layer_compression(&layer.media_type)? {
+        Compression::None => {
+            let mut tar = VerifyingReader::new(blob, diff_id, None, uncompressed);
+            let applied = unpacker.apply_layer(&mut tar, &what);
+            let verified = match &applied {
+                Ok(()) => tar.finish().and_then(VerifyingReader::finish),
+                Err(_) => tar.into_inner_unchecked().finish(),
+            };
+            prefer_digest_error(applied, verified.map(drop))?;
+        }
+        Compression::Gzip => {
+            let gz = flate2::read::MultiGzDecoder::new(blob);
+            let mut tar = VerifyingReader::new(gz, diff_id, None, uncompressed);
+            let applied = unpacker.apply_layer(&mut tar, &what);
+            let verified = match &applied {
+                Ok(()) => tar
+                    .finish_within(TRAILING_LIMIT)
+                    .and_then(|gz| gz.into_inner().finish()),
+                Err(_) => tar.into_inner_unchecked().into_inner().finish(),
+            };
+            prefer_digest_error(applied, verified.map(drop))?;
+        }
+    }
+    Ok(())
 }
 
 /// Bytes a decompressed layer may hold after its tar archive ends (tar pads to 10 KiB

@@ -596,85 +596,71 @@ impl RegistryClient {
                     expires: None,
                 })
             }
-            "bearer" => {
-                let realm = challenge.params.get("realm").cloned().unwrap_or_default();
-                if !(realm.starts_with("https://") || realm.starts_with("http://")) {
-                    return Err(denied(format!(
-                        "token realm {realm:?} is not an http(s) URL"
-                    )));
-                }
-                let scope = challenge
-                    .params
-                    .get("scope")
-                    .cloned()
-                    .unwrap_or_else(|| format!("repository:{}:pull", r.repository));
-                if origin(&realm).is_none() {
-                    return Err(denied(format!(
-                        "token realm {realm:?} is not a plain http(s) URL"
-                    )));
-                }
-                let mut token_url = format!(
-                    "{realm}{}scope={}",
-                    if realm.contains('?') { '&' } else { '?' },
-                    query_escape(&scope)
-                );
-                if let Some(service) = challenge.params.get("service") {
-                    token_url.push_str(&format!("&service={}", query_escape(service)));
-                }
-                let basic = creds
-                    .as_ref()
-                    .filter(|_| self.may_send_secrets_to(&realm))
-                    .map(|(u, p)| Self::basic_header(u, p));
-                let resp = match self.fetch(&token_url, None, basic.as_deref()) {
-                    Ok(resp) => resp,
-                    Err(Fetch::Status(code, resp)) if code < 500 && code != 429 => {
-                        let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
-                        return Err(denied(format!("token server {realm}: {answer}")));
-                    }
-                    Err(Fetch::Status(code, resp)) => {
-                        let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
-                        return Err(ImageError::Upstream(format!(
-                            "token server {realm} for {}: {answer}",
-                            r.domain
-                        )));
-                    }
-                    Err(Fetch::Failed(t)) => {
-                        return Err(ImageError::Upstream(format!(
-                            "cannot reach token server {realm} for {}: {t}",
-                            r.domain
-                        )))
-                    }
-                };
-                let mut body = Vec::new();
-                resp.into_reader()
-                    .take(1 << 20)
-                    .read_to_end(&mut body)
-                    .map_err(|e| {
-                        ImageError::Upstream(format!("reading a token from {realm}: {e}"))
-                    })?;
-                let answer: TokenResponse = serde_json::from_slice(&body).map_err(|e| {
-                    ImageError::Upstream(format!("token server {realm} answered badly: {e}"))
-                })?;
-                // Refresh a little early.
-                let secs = answer
-                    .expires_in
-                    .unwrap_or(DEFAULT_TOKEN_SECS)
-                    .saturating_sub(5)
-                    .max(1);
-                let Some(token) = answer.token.or(answer.access_token) else {
-                    return Err(ImageError::Upstream(format!(
-                        "token server {realm} sent no token"
-                    )));
-                };
-                Ok(CachedAuth {
-                    header: format!("Bearer {token}"),
-                    expires: Some(Instant::now() + Duration::from_secs(secs)),
-                })
-            }
+            "bearer" => self.bearer_token(r, &challenge, creds, denied),
             other => Err(denied(format!(
                 "{answer}; unsupported auth scheme {other:?}"
             ))),
         }
+    }
+
+    /// Answers a bearer challenge: asks its token realm (with the basic credentials, when
+    /// they may go there) for a pull token of `r`'s repository, or the scope it names.
+    fn bearer_token(
+        &self,
+        r: &RegistryReference,
+        challenge: &Challenge,
+        creds: Option<(String, String)>,
+        denied: impl Fn(String) -> ImageError,
+    ) -> Result<CachedAuth, ImageError> {
+        let realm = challenge.params.get("realm").cloned().unwrap_or_default();
+        if !(realm.starts_with("https://") || realm.starts_with("http://")) {
+            return Err(denied(format!(
+                "token realm {realm:?} is not an http(s) URL"
+            )));
+        }
+        let scope = challenge
+            .params
+            .get("scope")
+            .cloned()
+            .unwrap_or_else(|| format!("repository:{}:pull", r.repository));
+        if origin(&realm).is_none() {
+            return Err(denied(format!(
+                "token realm {realm:?} is not a plain http(s) URL"
+            )));
+        }
+        let mut token_url = format!(
+            "{realm}{}scope={}",
+            if realm.contains('?') { '&' } else { '?' },
+            query_escape(&scope)
+        );
+        if let Some(service) = challenge.params.get("service") {
+            token_url.push_str(&format!("&service={}", query_escape(service)));
+        }
+        let basic = creds
+            .as_ref()
+            .filter(|_| self.may_send_secrets_to(&realm))
+            .map(|(u, p)| Self::basic_header(u, p));
+        let resp = match self.fetch(&token_url, None, basic.as_deref()) {
+            Ok(resp) => resp,
+            Err(Fetch::Status(code, resp)) if code < 500 && code != 429 => {
+                let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
+                return Err(denied(format!("token server {realm}: {answer}")));
+            }
+            Err(Fetch::Status(code, resp)) => {
+                let answer = registry_answer(code, &resp.into_string().unwrap_or_default());
+                return Err(ImageError::Upstream(format!(
+                    "token server {realm} for {}: {answer}",
+                    r.domain
+                )));
+            }
+            Err(Fetch::Failed(t)) => {
+                return Err(ImageError::Upstream(format!(
+                    "cannot reach token server {realm} for {}: {t}",
+                    r.domain
+                )))
+            }
+        };
+        read_token(resp, &realm)
     }
 
     /// Fetches a manifest or index by tag or digest and checks its digest. Returns the
@@ -757,6 +743,33 @@ impl RegistryClient {
         }
         Ok(Box::new(resp.into_reader()))
     }
+}
+
+/// The token in a token server's answer (at most 1 MiB), cached until a little before
+/// it expires.
+fn read_token(resp: ureq::Response, realm: &str) -> Result<CachedAuth, ImageError> {
+    let mut body = Vec::new();
+    resp.into_reader()
+        .take(1 << 20)
+        .read_to_end(&mut body)
+        .map_err(|e| ImageError::Upstream(format!("reading a token from {realm}: {e}")))?;
+    let answer: TokenResponse = serde_json::from_slice(&body)
+        .map_err(|e| ImageError::Upstream(format!("token server {realm} answered badly: {e}")))?;
+    // Refresh a little early.
+    let secs = answer
+        .expires_in
+        .unwrap_or(DEFAULT_TOKEN_SECS)
+        .saturating_sub(5)
+        .max(1);
+    let Some(token) = answer.token.or(answer.access_token) else {
+        return Err(ImageError::Upstream(format!(
+            "token server {realm} sent no token"
+        )));
+    };
+    Ok(CachedAuth {
+        header: format!("Bearer {token}"),
+        expires: Some(Instant::now() + Duration::from_secs(secs)),
+    })
 }
 
 fn status_error(

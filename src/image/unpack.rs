@@ -220,6 +220,8 @@ impl Unpacker {
         Ok(())
     }
 
+    /// Applies one tar entry of a layer: checks its path and resolves its parents, has the
+    /// piece for its kind make it, and records it as touched by this layer.
     fn apply_entry<R: Read>(
         &mut self,
         entry: &mut tar::Entry<'_, R>,
@@ -234,19 +236,7 @@ impl Unpacker {
             return Ok(());
         }
         let Some((name, parents)) = components.split_last() else {
-            // The layer's own "./": metadata for the root directory.
-            if kind.is_dir() {
-                let meta = EntryMeta::read(entry)?;
-                let root = Dir {
-                    fd: DirFd::open(&self.root).map_err(sys_err)?,
-                    path: self.root.clone(),
-                };
-                self.apply_meta(&root, OsStr::new("."), &meta, true, &display)?;
-                return Ok(());
-            }
-            return Err(ImageError::BadImage(format!(
-                "entry {display:?} would replace the root directory"
-            )));
+            return self.apply_root_entry(entry, &display);
         };
         let name = name.as_os_str();
 
@@ -262,139 +252,13 @@ impl Unpacker {
         let meta = EntryMeta::read(entry)?;
         use tar::EntryType as T;
         match kind {
-            T::Directory => {
-                match parent.fd.stat(name).map_err(sys_err)? {
-                    Some(st) if st.kind == FileKind::Dir => {}
-                    Some(_) => {
-                        self.remove_any(&parent, name, &display)?;
-                        self.charge(&display, BLOCK, 1)?;
-                        mkdir(&parent.fd, name)?;
-                    }
-                    None => {
-                        self.charge(&display, BLOCK, 1)?;
-                        mkdir(&parent.fd, name)?;
-                    }
-                }
-                self.apply_meta(&parent, name, &meta, true, &display)?;
-            }
+            T::Directory => self.make_dir(&parent, name, &meta, &display)?,
             T::Regular | T::Continuous | T::GNUSparse => {
-                let logical = entry.size();
-                if logical > MAX_FILE_BYTES {
-                    return Err(ImageError::BadImage(format!(
-                        "entry {display:?} claims {logical} bytes, more than ext4 can hold"
-                    )));
-                }
-                // What is stored in the layer: for a sparse entry only its data, not its
-                // holes.
-                let stored = match kind {
-                    T::GNUSparse => entry
-                        .header()
-                        .entry_size()
-                        .map_err(|e| read_error(&display, e))?,
-                    _ => logical,
-                };
-                self.remove_any(&parent, name, &display)?;
-                self.charge(&display, stored.div_ceil(BLOCK) * BLOCK, 1)?;
-                // tar's own unpack writes data runs and seeks over holes. It creates the
-                // file with O_EXCL (never through a symlink) at a path that starts at the
-                // parent's descriptor, after the removal above.
-                entry
-                    .unpack(parent.fd.entry_path(name))
-                    .map_err(|e| read_error(&display, e))?;
-                self.apply_meta(&parent, name, &meta, false, &display)?;
+                self.make_file(entry, &parent, name, &meta, &display)?
             }
-            T::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| {
-                        ImageError::BadImage(format!("symlink {display:?} has no target"))
-                    })?
-                    .into_owned();
-                if target.is_empty() {
-                    return Err(ImageError::BadImage(format!(
-                        "symlink {display:?} has an empty target"
-                    )));
-                }
-                self.remove_any(&parent, name, &display)?;
-                let blocks = if target.len() >= 60 { BLOCK } else { 0 };
-                self.charge(&display, blocks, 1)?;
-                parent
-                    .fd
-                    .symlink(name, OsStr::from_bytes(&target))
-                    .map_err(sys_err)?;
-                self.apply_meta(&parent, name, &meta, false, &display)?;
-            }
-            T::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| {
-                        ImageError::BadImage(format!("hardlink {display:?} has no target"))
-                    })?
-                    .into_owned();
-                let shown = String::from_utf8_lossy(&target).into_owned();
-                let escape = || {
-                    ImageError::BadImage(format!(
-                        "hardlink {display:?} → {shown:?} points outside the root"
-                    ))
-                };
-                let tcomps = split_path(&target).ok_or_else(escape)?;
-                let (tname, tparents) = tcomps.split_last().ok_or_else(escape)?;
-                let tparent = self.resolve(tparents, false, &shown)?.ok_or_else(|| {
-                    ImageError::BadImage(format!(
-                        "hardlink {display:?} → {shown:?}: the target does not exist"
-                    ))
-                })?;
-                let source = tparent.child(tname);
-                match tparent.fd.stat(tname).map_err(sys_err)? {
-                    Some(st) if st.kind == FileKind::Dir => {
-                        return Err(ImageError::BadImage(format!(
-                            "hardlink {display:?} → {shown:?}: the target is a directory"
-                        )))
-                    }
-                    Some(_) => {}
-                    None => {
-                        return Err(ImageError::BadImage(format!(
-                            "hardlink {display:?} → {shown:?}: the target does not exist"
-                        )))
-                    }
-                }
-                if source != dest {
-                    let special = self.specials.get(&source).cloned();
-                    if special.as_ref().is_some_and(|s| s.fixup.device.is_some()) {
-                        return Err(ImageError::BadImage(format!(
-                            "hardlink {display:?} → {shown:?}: links to device nodes are not \
-                             supported"
-                        )));
-                    }
-                    self.remove_any(&parent, name, &display)?;
-                    self.charge(&display, 0, 0)?;
-                    // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked itself.
-                    parent
-                        .fd
-                        .hard_link(name, &tparent.fd, tname)
-                        .map_err(sys_err)?;
-                    if let Some(mut special) = special {
-                        special.fixup.path = self.image_path(&dest, &display)?;
-                        self.specials.insert(dest.clone(), special);
-                    }
-                }
-            }
-            T::Char | T::Block => {
-                let node = if kind == T::Char {
-                    NodeKind::Char
-                } else {
-                    NodeKind::Block
-                };
-                let header = entry.header();
-                let major = header.device_major().ok().flatten().unwrap_or(0);
-                let minor = header.device_minor().ok().flatten().unwrap_or(0);
-                self.remove_any(&parent, name, &display)?;
-                self.charge(&display, 0, 1)?;
-                // Never a real device on the host: an empty file the ext4 fixup replaces.
-                drop(parent.fd.create_file(name, 0o600).map_err(sys_err)?);
-                self.keep_special(&parent, name, &meta, Some((node, major, minor)), &display)?;
-                self.apply_meta(&parent, name, &meta, false, &display)?;
-            }
+            T::Symlink => self.make_symlink(entry, &parent, name, &meta, &display)?,
+            T::Link => self.make_hardlink(entry, &parent, name, &dest, &display)?,
+            T::Char | T::Block => self.make_device(entry, &parent, name, &meta, &display)?,
             T::Fifo => {
                 self.remove_any(&parent, name, &display)?;
                 self.charge(&display, 0, 1)?;
@@ -412,6 +276,193 @@ impl Unpacker {
         }
         state.touched.insert(dest);
         Ok(())
+    }
+
+    /// The layer's own "./": metadata for the root directory; anything but a directory
+    /// there would replace the root and is refused.
+    fn apply_root_entry<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        if !entry.header().entry_type().is_dir() {
+            return Err(ImageError::BadImage(format!(
+                "entry {display:?} would replace the root directory"
+            )));
+        }
+        let meta = EntryMeta::read(entry)?;
+        let root = Dir {
+            fd: DirFd::open(&self.root).map_err(sys_err)?,
+            path: self.root.clone(),
+        };
+        self.apply_meta(&root, OsStr::new("."), &meta, true, display)
+    }
+
+    /// A directory entry: an existing directory stays (with lower layers' contents) and
+    /// takes the entry's metadata; anything else there is replaced.
+    fn make_dir(
+        &mut self,
+        parent: &Dir,
+        name: &OsStr,
+        meta: &EntryMeta,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        match parent.fd.stat(name).map_err(sys_err)? {
+            Some(st) if st.kind == FileKind::Dir => {}
+            Some(_) => {
+                self.remove_any(parent, name, display)?;
+                self.charge(display, BLOCK, 1)?;
+                mkdir(&parent.fd, name)?;
+            }
+            None => {
+                self.charge(display, BLOCK, 1)?;
+                mkdir(&parent.fd, name)?;
+            }
+        }
+        self.apply_meta(parent, name, meta, true, display)
+    }
+
+    /// A regular (or contiguous, or GNU sparse) file: charged by what the layer stores of
+    /// it and written by tar's own unpack.
+    fn make_file<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        parent: &Dir,
+        name: &OsStr,
+        meta: &EntryMeta,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        let logical = entry.size();
+        if logical > MAX_FILE_BYTES {
+            return Err(ImageError::BadImage(format!(
+                "entry {display:?} claims {logical} bytes, more than ext4 can hold"
+            )));
+        }
+        // What is stored in the layer: for a sparse entry only its data, not its holes.
+        let stored = match entry.header().entry_type() {
+            tar::EntryType::GNUSparse => entry
+                .header()
+                .entry_size()
+                .map_err(|e| read_error(display, e))?,
+            _ => logical,
+        };
+        self.remove_any(parent, name, display)?;
+        self.charge(display, stored.div_ceil(BLOCK) * BLOCK, 1)?;
+        // tar's own unpack writes data runs and seeks over holes. It creates the file with
+        // O_EXCL (never through a symlink) at a path that starts at the parent's
+        // descriptor, after the removal above.
+        entry
+            .unpack(parent.fd.entry_path(name))
+            .map_err(|e| read_error(display, e))?;
+        self.apply_meta(parent, name, meta, false, display)
+    }
+
+    /// A symlink, with its target as stored (never followed here); an empty target is
+    /// refused.
+    fn make_symlink<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        parent: &Dir,
+        name: &OsStr,
+        meta: &EntryMeta,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        let target = entry
+            .link_name_bytes()
+            .ok_or_else(|| ImageError::BadImage(format!("symlink {display:?} has no target")))?
+            .into_owned();
+        if target.is_empty() {
+            return Err(ImageError::BadImage(format!(
+                "symlink {display:?} has an empty target"
+            )));
+        }
+        self.remove_any(parent, name, display)?;
+        let blocks = if target.len() >= 60 { BLOCK } else { 0 };
+        self.charge(display, blocks, 1)?;
+        parent
+            .fd
+            .symlink(name, OsStr::from_bytes(&target))
+            .map_err(sys_err)?;
+        self.apply_meta(parent, name, meta, false, display)
+    }
+
+    /// A hard link `dest` to an existing non-directory inside the root (a link to itself
+    /// changes nothing); a link to a device node is refused, one to another kept special
+    /// file is kept special too.
+    fn make_hardlink<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        parent: &Dir,
+        name: &OsStr,
+        dest: &Path,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        let target = entry
+            .link_name_bytes()
+            .ok_or_else(|| ImageError::BadImage(format!("hardlink {display:?} has no target")))?
+            .into_owned();
+        let shown = String::from_utf8_lossy(&target).into_owned();
+        let refuse =
+            |why: &str| ImageError::BadImage(format!("hardlink {display:?} → {shown:?}{why}"));
+        let tcomps = split_path(&target).ok_or_else(|| refuse(" points outside the root"))?;
+        let (tname, tparents) = tcomps
+            .split_last()
+            .ok_or_else(|| refuse(" points outside the root"))?;
+        let tparent = self
+            .resolve(tparents, false, &shown)?
+            .ok_or_else(|| refuse(": the target does not exist"))?;
+        let source = tparent.child(tname);
+        match tparent.fd.stat(tname).map_err(sys_err)? {
+            Some(st) if st.kind == FileKind::Dir => {
+                return Err(refuse(": the target is a directory"))
+            }
+            Some(_) => {}
+            None => return Err(refuse(": the target does not exist")),
+        }
+        if source == dest {
+            return Ok(());
+        }
+        let special = self.specials.get(&source).cloned();
+        if special.as_ref().is_some_and(|s| s.fixup.device.is_some()) {
+            return Err(refuse(": links to device nodes are not supported"));
+        }
+        self.remove_any(parent, name, display)?;
+        self.charge(display, 0, 0)?;
+        // linkat without AT_SYMLINK_FOLLOW: a symlink target is linked itself.
+        parent
+            .fd
+            .hard_link(name, &tparent.fd, tname)
+            .map_err(sys_err)?;
+        if let Some(mut special) = special {
+            special.fixup.path = self.image_path(dest, display)?;
+            self.specials.insert(dest.to_path_buf(), special);
+        }
+        Ok(())
+    }
+
+    /// A character or block device: never a real device on the host, but an empty file
+    /// that the ext4 fixup replaces with the node.
+    fn make_device<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        parent: &Dir,
+        name: &OsStr,
+        meta: &EntryMeta,
+        display: &str,
+    ) -> Result<(), ImageError> {
+        let header = entry.header();
+        let node = if header.entry_type() == tar::EntryType::Char {
+            NodeKind::Char
+        } else {
+            NodeKind::Block
+        };
+        let major = header.device_major().ok().flatten().unwrap_or(0);
+        let minor = header.device_minor().ok().flatten().unwrap_or(0);
+        self.remove_any(parent, name, display)?;
+        self.charge(display, 0, 1)?;
+        drop(parent.fd.create_file(name, 0o600).map_err(sys_err)?);
+        self.keep_special(parent, name, meta, Some((node, major, minor)), display)?;
+        self.apply_meta(parent, name, meta, false, display)
     }
 
     /// `dir/.wh.name` removes `name` from lower layers; `.wh..wh..opq` empties `dir` of

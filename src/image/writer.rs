@@ -417,6 +417,51 @@ pub fn build_busybox_layout(
             busybox.display()
         ))
     })?;
+    let applets = busybox_applets(busybox)?;
+
+    let mut layer = LayerBuilder::new();
+    add_base_dirs(&mut layer);
+    layer.file("bin/busybox", 0o755, &binary);
+    let shell = match bash {
+        Some(path) => {
+            let bash_binary = fs::read(path).map_err(|e| {
+                ImageError::NotFound(format!(
+                    "cannot read bash at {}: {e}; install bash-static",
+                    path.display()
+                ))
+            })?;
+            layer.file("bin/bash", 0o755, &bash_binary);
+            "/bin/bash"
+        }
+        None => "/bin/sh",
+    };
+    for applet in applets.iter().filter(|a| bash.is_none() || *a != "bash") {
+        layer.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    // glibc's C.UTF-8 locale (the E2B PTY sets LC_ALL=C.UTF-8; without it bash warns).
+    let locale = Path::new(HOST_C_UTF8_LOCALE);
+    if locale.is_dir() {
+        layer.dir("usr/lib", 0o755).dir("usr/lib/locale", 0o755);
+        add_host_tree(&mut layer, locale, "usr/lib/locale/C.utf8")?;
+    }
+    add_etc_files(&mut layer, shell);
+
+    let spec = ImageSpec {
+        env: vec![format!("PATH={DEFAULT_PATH}")],
+        working_dir: Some("/".into()),
+        cmd: Some(vec!["/bin/sh".into()]),
+        entrypoint: None,
+        platform: None,
+    };
+    let mut writer = LayoutWriter::create(out)?;
+    let manifest = writer.add_image(&spec, &[LayerBlob::gzip(layer.finish())])?;
+    writer.tag(manifest, Some("latest"));
+    writer.finish()
+}
+
+/// The applets `busybox --list` names, sorted and without duplicates; anything that is
+/// not a plain name is dropped, and a busybox without `sh` is refused.
+fn busybox_applets(busybox: &Path) -> Result<Vec<String>, ImageError> {
     let listing = Command::new(busybox)
         .arg("--list")
         .output()
@@ -442,8 +487,11 @@ pub fn build_busybox_layout(
     }
     applets.sort();
     applets.dedup();
+    Ok(applets)
+}
 
-    let mut layer = LayerBuilder::new();
+/// The usual top-level directories, the sticky temp dirs and the home of E2B's `user`.
+fn add_base_dirs(layer: &mut LayerBuilder) {
     for dir in [
         "bin",
         "dev",
@@ -468,29 +516,11 @@ pub fn build_busybox_layout(
     layer.dir("tmp", 0o1777);
     layer.dir("var/tmp", 0o1777);
     layer.dir_owned("home/user", 0o755, 1000, 1000);
-    layer.file("bin/busybox", 0o755, &binary);
-    let shell = match bash {
-        Some(path) => {
-            let bash_binary = fs::read(path).map_err(|e| {
-                ImageError::NotFound(format!(
-                    "cannot read bash at {}: {e}; install bash-static",
-                    path.display()
-                ))
-            })?;
-            layer.file("bin/bash", 0o755, &bash_binary);
-            "/bin/bash"
-        }
-        None => "/bin/sh",
-    };
-    for applet in applets.iter().filter(|a| bash.is_none() || *a != "bash") {
-        layer.symlink(&format!("bin/{applet}"), "busybox");
-    }
-    // glibc's C.UTF-8 locale (the E2B PTY sets LC_ALL=C.UTF-8; without it bash warns).
-    let locale = Path::new(HOST_C_UTF8_LOCALE);
-    if locale.is_dir() {
-        layer.dir("usr/lib", 0o755).dir("usr/lib/locale", 0o755);
-        add_host_tree(&mut layer, locale, "usr/lib/locale/C.utf8")?;
-    }
+}
+
+/// /etc: a minimal profile, the accounts (root and `user` with `shell`, nobody), their
+/// groups, the hostname and hosts.
+fn add_etc_files(layer: &mut LayerBuilder, shell: &str) {
     layer.file(
         "etc/profile",
         0o644,
@@ -513,16 +543,4 @@ pub fn build_busybox_layout(
         0o644,
         b"127.0.0.1\tlocalhost\n::1\tlocalhost\n",
     );
-
-    let spec = ImageSpec {
-        env: vec![format!("PATH={DEFAULT_PATH}")],
-        working_dir: Some("/".into()),
-        cmd: Some(vec!["/bin/sh".into()]),
-        entrypoint: None,
-        platform: None,
-    };
-    let mut writer = LayoutWriter::create(out)?;
-    let manifest = writer.add_image(&spec, &[LayerBlob::gzip(layer.finish())])?;
-    writer.tag(manifest, Some("latest"));
-    writer.finish()
 }

@@ -265,68 +265,15 @@ impl Vm {
     ) -> Result<(CaptureRecord, CaptureStats), VmError> {
         let started = Instant::now();
         let mut stats = CaptureStats::default();
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            // Private: it holds the guest's RAM and device state.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| {
-                    VmError::io(format!("cannot create capture dir {}", dir.display()), e)
-                })?;
-        }
-        let state = dir.join(STATE_FILE);
-        let partial = dir.join(format!("{STATE_FILE}{PARTIAL_SUFFIX}"));
-        // A dirty-only capture's pages file too: this capture does not use it.
-        let pages = dir.join(super::dirty::PAGES_FILE);
-        for stale in [&state, &partial, &pages] {
-            match std::fs::remove_file(stale) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(VmError::io(
-                        format!("cannot remove old {}", stale.display()),
-                        e,
-                    ))
-                }
-            }
-        }
-
-        // The next top layer is made while the guest still runs: qemu-img does not open
-        // the (in use) backing file.
+        let (state, partial) = prepare_capture_dir(dir)?;
         let chain = disk_chain(&self.facts.disk)?;
-        let next_top = match disk {
-            DiskCapture::InPlace => None,
-            DiskCapture::Freeze => {
-                let sandbox_dir = self.facts.disk.parent().unwrap_or(Path::new("."));
-                let next = disk::next_layer_path(sandbox_dir, &chain);
-                let backing = self
-                    .facts
-                    .disk
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .ok_or_else(|| {
-                        VmError::InvalidSpec(format!(
-                            "disk {} is not UTF-8",
-                            self.facts.disk.display()
-                        ))
-                    })?;
-                disk::create_layer(&next, backing, chain.virtual_size)?;
-                Some(next)
-            }
-        };
+        let next_top = self.next_top_layer(disk, &chain)?;
         stats.prepare_ms = ms(started.elapsed());
 
         let stopped = Instant::now();
         let result = self.capture_stopped(&state, &partial, next_top.as_deref(), quit, &mut stats);
         if let Err(e) = result {
-            let _ = std::fs::remove_file(&partial);
-            if let Some(next) = &next_top {
-                if self.facts.disk != *next {
-                    let _ = std::fs::remove_file(next);
-                }
-            }
+            self.undo_failed_capture(&partial, next_top.as_deref());
             log::warn!(
                 "vm op=capture pid={} result=error dir={} error={e}",
                 self.pid(),
@@ -336,14 +283,7 @@ impl Vm {
         }
 
         let sync = Instant::now();
-        let disk_layers = match disk {
-            DiskCapture::InPlace => chain.layers.clone(),
-            DiskCapture::Freeze => disk::link_layers(&chain.layers, dir)?,
-        };
-        fsync_dir(dir)?;
-        if let Some(memory) = self.facts.memory.as_ref().filter(|m| m.shared) {
-            fsync_path(&memory.path)?;
-        }
+        let disk_layers = self.make_capture_durable(dir, disk, &chain)?;
         stats.sync_ms += ms(sync.elapsed());
         stats.frozen_ms = ms(stopped.elapsed());
         stats.total_ms = ms(started.elapsed());
@@ -369,6 +309,66 @@ impl Vm {
             stats.total_ms
         );
         Ok((record, stats))
+    }
+
+    /// For [`DiskCapture::Freeze`], the next top layer over the current one, made while
+    /// the guest still runs: qemu-img does not open the (in use) backing file.
+    fn next_top_layer(
+        &self,
+        disk: DiskCapture,
+        chain: &DiskChain,
+    ) -> Result<Option<PathBuf>, VmError> {
+        match disk {
+            DiskCapture::InPlace => Ok(None),
+            DiskCapture::Freeze => {
+                let sandbox_dir = self.facts.disk.parent().unwrap_or(Path::new("."));
+                let next = disk::next_layer_path(sandbox_dir, chain);
+                let backing = self
+                    .facts
+                    .disk
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .ok_or_else(|| {
+                        VmError::InvalidSpec(format!(
+                            "disk {} is not UTF-8",
+                            self.facts.disk.display()
+                        ))
+                    })?;
+                disk::create_layer(&next, backing, chain.virtual_size)?;
+                Ok(Some(next))
+            }
+        }
+    }
+
+    /// After a failed capture: the partial state file goes, and so does the new top layer
+    /// unless the guest already writes to it.
+    fn undo_failed_capture(&self, partial: &Path, next_top: Option<&Path>) {
+        let _ = std::fs::remove_file(partial);
+        if let Some(next) = next_top {
+            if self.facts.disk != *next {
+                let _ = std::fs::remove_file(next);
+            }
+        }
+    }
+
+    /// Makes a written capture durable: links the frozen disk layers into `dir` (or keeps
+    /// the chain's own for an in-place capture), fsyncs `dir` and a shared RAM file.
+    /// Returns the capture's disk layers.
+    fn make_capture_durable(
+        &self,
+        dir: &Path,
+        disk: DiskCapture,
+        chain: &DiskChain,
+    ) -> Result<Vec<PathBuf>, VmError> {
+        let disk_layers = match disk {
+            DiskCapture::InPlace => chain.layers.clone(),
+            DiskCapture::Freeze => disk::link_layers(&chain.layers, dir)?,
+        };
+        fsync_dir(dir)?;
+        if let Some(memory) = self.facts.memory.as_ref().filter(|m| m.shared) {
+            fsync_path(&memory.path)?;
+        }
+        Ok(disk_layers)
     }
 
     /// The record of a capture made now into `state`, with `disk_layers` (the chain's own,
@@ -779,6 +779,35 @@ impl Vm {
         }
         Ok(writable.len())
     }
+}
+
+/// Creates the capture dir `dir` (private: it will hold the guest's RAM and device state)
+/// and removes what an earlier capture left there; returns the paths of the state file
+/// and of its partial copy.
+fn prepare_capture_dir(dir: &Path) -> Result<(PathBuf, PathBuf), VmError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| VmError::io(format!("cannot create capture dir {}", dir.display()), e))?;
+    let state = dir.join(STATE_FILE);
+    let partial = dir.join(format!("{STATE_FILE}{PARTIAL_SUFFIX}"));
+    // A dirty-only capture's pages file too: this capture does not use it.
+    let pages = dir.join(super::dirty::PAGES_FILE);
+    for stale in [&state, &partial, &pages] {
+        match std::fs::remove_file(stale) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(VmError::io(
+                    format!("cannot remove old {}", stale.display()),
+                    e,
+                ))
+            }
+        }
+    }
+    Ok((state, partial))
 }
 
 /// Whether descriptor `fd` of process `pid` was opened for writing (its `fdinfo` flags).

@@ -415,6 +415,21 @@ fn build_argv(
             "cpu_count and memory_mb must be at least 1".into(),
         ));
     }
+    let mut argv: Vec<OsString> = Vec::with_capacity(48);
+    push_machine_args(&mut argv, spec)?;
+    push_boot_args(&mut argv, spec, launch)?;
+    push_device_args(&mut argv, spec, fds)?;
+    push_incoming_args(&mut argv, fds, launch.incoming)?;
+    Ok(argv)
+}
+
+/// Appends `items` to `argv`.
+fn push(argv: &mut Vec<OsString>, items: &[&str]) {
+    argv.extend(items.iter().map(OsString::from));
+}
+
+/// The machine: its name, type and accelerator, CPUs, RAM size and QEMU's own seccomp.
+fn push_machine_args(argv: &mut Vec<OsString>, spec: &VmSpec) -> Result<(), VmError> {
     // RAM is always an explicit backend named "ram", so that every VM's RAM block has the
     // same name whether it is anonymous or a file, and any state file restores into either.
     let mut machine = String::from("microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram");
@@ -426,19 +441,35 @@ fn build_argv(
             ("tcg,tb-size=32", "max")
         }
     };
-    let mut argv: Vec<OsString> = Vec::with_capacity(48);
-    let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
-    push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    push(
+        argv,
+        &["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"],
+    );
     // QEMU opens no path of the state dir any more; the run dir as the guest's name still
     // tells an operator (and `ps`) whose VM a process is.
-    push(&["-name", &format!("guest={}", opt_path(&spec.run_dir)?)]);
-    push(&["-M", &machine, "-accel", accel, "-cpu", cpu]);
-    push(&["-smp", &spec.cpu_count.to_string()]);
-    push(&["-m", &format!("{}M", spec.memory_mb)]);
-    push(&[
-        "-sandbox",
-        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-    ]);
+    push(
+        argv,
+        &["-name", &format!("guest={}", opt_path(&spec.run_dir)?)],
+    );
+    push(argv, &["-M", &machine, "-accel", accel, "-cpu", cpu]);
+    push(argv, &["-smp", &spec.cpu_count.to_string()]);
+    push(argv, &["-m", &format!("{}M", spec.memory_mb)]);
+    push(
+        argv,
+        &[
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ],
+    );
+    Ok(())
+}
+
+/// What the guest boots: kernel, initramfs, command line and the RAM backend.
+fn push_boot_args(
+    argv: &mut Vec<OsString>,
+    spec: &VmSpec,
+    launch: &Launch<'_>,
+) -> Result<(), VmError> {
     argv.push("-kernel".into());
     argv.push(spec.kernel.clone().into_os_string());
     argv.push("-initrd".into());
@@ -465,33 +496,28 @@ fn build_argv(
         .into(),
         None => format!("memory-backend-ram,id=ram,size={}M", spec.memory_mb).into(),
     });
+    Ok(())
+}
 
-    let mut push = |items: &[&str]| argv.extend(items.iter().map(OsString::from));
-    push(&[
-        "-add-fd",
-        &format!("fd={CONSOLE_FD},set={CONSOLE_FD},opaque=console"),
-        "-chardev",
-        &format!("file,id=console,path=/dev/fdset/{CONSOLE_FD},append=on"),
-        "-serial",
-        "chardev:console",
-    ]);
-    let top = fds
-        .disk
-        .last()
-        .ok_or_else(|| VmError::InvalidSpec("the root disk has no layers".into()))?;
-    for node in &fds.disk {
-        for fd in &node.fds {
-            push(&[
-                "-add-fd",
-                &format!("fd={fd},set={},opaque={}", node.fds[0], node.name),
-            ]);
-        }
-        push(&["-blockdev", &node.blockdev().to_string()]);
-    }
-    push(&[
-        "-device",
-        &format!("virtio-blk-device,drive={},{DISK_ERROR_POLICY}", top.name),
-    ]);
+/// The devices, each over an inherited descriptor: console, root disk chain, network,
+/// agent port and the QMP monitor.
+fn push_device_args(
+    argv: &mut Vec<OsString>,
+    spec: &VmSpec,
+    fds: &Inherited,
+) -> Result<(), VmError> {
+    push(
+        argv,
+        &[
+            "-add-fd",
+            &format!("fd={CONSOLE_FD},set={CONSOLE_FD},opaque=console"),
+            "-chardev",
+            &format!("file,id=console,path=/dev/fdset/{CONSOLE_FD},append=on"),
+            "-serial",
+            "chardev:console",
+        ],
+    );
+    push_disk_args(argv, &fds.disk)?;
     if let Some(tap) = &spec.tap {
         if tap.is_empty() || tap.contains(',') || tap.len() > 15 {
             return Err(VmError::InvalidSpec(format!("bad tap device name {tap:?}")));
@@ -499,42 +525,91 @@ fn build_argv(
         let fd = fds
             .tap
             .ok_or_else(|| VmError::InvalidSpec(format!("tap {tap} was not opened")))?;
-        push(&[
-            "-netdev",
-            &format!("tap,id=net0,fd={fd}"),
-            "-device",
-            &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
-        ]);
+        push(
+            argv,
+            &[
+                "-netdev",
+                &format!("tap,id=net0,fd={fd}"),
+                "-device",
+                &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
+            ],
+        );
     }
-    push(&[
-        "-chardev",
-        &format!("socket,id=agent,fd={},server=on,wait=off", fds.agent),
-        "-device",
-        "virtio-serial-device",
-        "-device",
-        &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
-    ]);
-    push(&[
-        "-chardev",
-        &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
-        "-mon",
-        "chardev=qmp,mode=control",
-    ]);
-    match launch.incoming {
+    push(
+        argv,
+        &[
+            "-chardev",
+            &format!("socket,id=agent,fd={},server=on,wait=off", fds.agent),
+            "-device",
+            "virtio-serial-device",
+            "-device",
+            &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
+        ],
+    );
+    push(
+        argv,
+        &[
+            "-chardev",
+            &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
+            "-mon",
+            "chardev=qmp,mode=control",
+        ],
+    );
+    Ok(())
+}
+
+/// The root disk: each node's descriptors as an fd set and its blockdev, bottom first,
+/// and the guest's device on the top one.
+fn push_disk_args(argv: &mut Vec<OsString>, disk: &[DiskNode]) -> Result<(), VmError> {
+    let top = disk
+        .last()
+        .ok_or_else(|| VmError::InvalidSpec("the root disk has no layers".into()))?;
+    for node in disk {
+        for fd in &node.fds {
+            push(
+                argv,
+                &[
+                    "-add-fd",
+                    &format!("fd={fd},set={},opaque={}", node.fds[0], node.name),
+                ],
+            );
+        }
+        push(argv, &["-blockdev", &node.blockdev().to_string()]);
+    }
+    push(
+        argv,
+        &[
+            "-device",
+            &format!("virtio-blk-device,drive={},{DISK_ERROR_POLICY}", top.name),
+        ],
+    );
+    Ok(())
+}
+
+/// Where the VM's state comes from and whether its vCPUs wait for `cont`.
+fn push_incoming_args(
+    argv: &mut Vec<OsString>,
+    fds: &Inherited,
+    incoming: Incoming<'_>,
+) -> Result<(), VmError> {
+    match incoming {
         Incoming::None => {}
         Incoming::File(_) => {
             let fd = fds
                 .incoming
                 .ok_or_else(|| VmError::InvalidSpec("the state file was not opened".into()))?;
-            push(&["-add-fd", &format!("fd={fd},set={fd},opaque=incoming")]);
-            push(&["-incoming", &format!("file:/dev/fdset/{fd}")]);
+            push(
+                argv,
+                &["-add-fd", &format!("fd={fd},set={fd},opaque=incoming")],
+            );
+            push(argv, &["-incoming", &format!("file:/dev/fdset/{fd}")]);
         }
         // -S: a state whose global state says "running" (a dirty-only pause's, see
         // super::dirty) still waits `paused` after the load; others say `paused` anyway.
-        Incoming::Defer => push(&["-incoming", "defer", "-S"]),
-        Incoming::Held => push(&["-S"]),
+        Incoming::Defer => push(argv, &["-incoming", "defer", "-S"]),
+        Incoming::Held => push(argv, &["-S"]),
     }
-    Ok(argv)
+    Ok(())
 }
 
 /// Finds `binary` as `execvp` would: as given when it holds a `/`, else in PATH.
@@ -542,6 +617,181 @@ fn resolve_binary(binary: &Path) -> Result<PathBuf, VmError> {
     crate::util::find_in_path(binary).ok_or_else(|| VmError::BinaryNotFound {
         binary: binary.to_path_buf(),
     })
+}
+
+/// The log line of a QEMU that answers on QMP, `started` being when it was spawned.
+fn log_spawn(
+    pid: u32,
+    uid: Option<&super::uids::UidLease>,
+    spec: &VmSpec,
+    kernel: &Path,
+    incoming: Incoming<'_>,
+    started: Instant,
+) {
+    log::info!(
+        "vm op=spawn pid={pid} user={VM_USER} uid={} accel={} cpus={} memoryMb={} \
+         kernel={} runDir={} incoming={} qmpMs={}",
+        uid.map(|l| l.uid.to_string())
+            .unwrap_or_else(|| VM_USER.into()),
+        spec.accel.name(),
+        spec.cpu_count,
+        spec.memory_mb,
+        kernel.display(),
+        spec.run_dir.display(),
+        !matches!(incoming, Incoming::None | Incoming::Held),
+        started.elapsed().as_millis()
+    );
+}
+
+/// Refuses a spec whose boot files are missing (before anything is created for it) and
+/// creates its run dir.
+fn check_assets(spec: &VmSpec) -> Result<(), VmError> {
+    for (what, path) in [
+        ("guest kernel", &spec.kernel),
+        ("initramfs", &spec.initramfs),
+        ("root disk", &spec.disk),
+    ] {
+        if !path.is_file() {
+            return Err(VmError::MissingAsset {
+                what,
+                path: path.clone(),
+            });
+        }
+    }
+    std::fs::create_dir_all(&spec.run_dir).map_err(|e| {
+        VmError::io(
+            format!("cannot create VM run dir {}", spec.run_dir.display()),
+            e,
+        )
+    })
+}
+
+/// Who QEMU runs as: [`VM_USER`]'s credentials (plus /dev/kvm's group under KVM) on a uid
+/// of its own (see `uids`), whose lease is given back once the process is reaped.
+fn qemu_credentials(accel: Accel) -> Result<(Credentials, Option<super::uids::UidLease>), VmError> {
+    let mut credentials = Credentials::lookup(VM_USER)
+        .map_err(|e| VmError::io(format!("cannot run QEMU as {VM_USER}"), e.source))?;
+    if accel == Accel::Kvm {
+        // /dev/kvm's group (usually "kvm") is the one supplementary group QEMU keeps.
+        use std::os::unix::fs::MetadataExt;
+        let kvm =
+            std::fs::metadata("/dev/kvm").map_err(|e| VmError::io("cannot stat /dev/kvm", e))?;
+        credentials.extra_group = Some(kvm.gid());
+    }
+    let uid = super::uids::lease(VM_USER, credentials.uid);
+    if let Some(lease) = &uid {
+        credentials.uid = lease.uid;
+    }
+    Ok((credentials, uid))
+}
+
+/// Refuses socket paths a `sockaddr_un` cannot hold.
+fn check_socket_paths(paths: &RunPaths) -> Result<(), VmError> {
+    for socket in [&paths.qmp_socket, &paths.agent_socket] {
+        if socket.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(VmError::InvalidSpec(format!(
+                "socket path {} is longer than {MAX_SOCKET_PATH} bytes",
+                socket.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Points `spec`'s kernel and initramfs at their fixed paths under [`JAIL_VM_DIR`] in
+/// QEMU's namespace; returns the host files to bind there (at their real, absolute,
+/// symlink-free paths) and the kernel and initramfs paths as given, for the VM's facts.
+fn move_boot_files_into_jail(
+    spec: &mut VmSpec,
+    memory: Option<&MemoryFile>,
+) -> Result<(HostFiles, PathBuf, PathBuf), VmError> {
+    let real = |path: &Path| {
+        std::fs::canonicalize(path)
+            .map_err(|e| VmError::io(format!("cannot resolve {}", path.display()), e))
+    };
+    let (kernel, initramfs) = (spec.kernel.clone(), spec.initramfs.clone());
+    let host = HostFiles {
+        kernel: real(&kernel)?,
+        initramfs: real(&initramfs)?,
+        memory: memory.map(|m| m.path.clone()),
+    };
+    spec.kernel = Path::new(JAIL_VM_DIR).join("kernel");
+    spec.initramfs = Path::new(JAIL_VM_DIR).join("initramfs");
+    Ok((host, kernel, initramfs))
+}
+
+/// Opens what QEMU gets as descriptors (its QMP and agent listeners, the tap, the disk
+/// chain, an incoming state file) into `passed`; returns their numbers and how many disk
+/// layer nodes that made.
+fn open_inherited(
+    spec: &VmSpec,
+    paths: &RunPaths,
+    incoming: Incoming<'_>,
+    passed: &mut PassedFds,
+) -> Result<(Inherited, usize), VmError> {
+    let mut fds = Inherited::default();
+    let bind = |path: &Path| {
+        UnixListener::bind(path)
+            .map_err(|e| VmError::io(format!("cannot bind {}", path.display()), e))
+    };
+    fds.qmp = passed.pass(bind(&paths.qmp_socket)?);
+    fds.agent = passed.pass(bind(&paths.agent_socket)?);
+    if let Some(tap) = &spec.tap {
+        let open = || crate::sys::tun::open_tap(tap);
+        let file = match &spec.netns {
+            Some(ns) => crate::sys::netns::with_netns(ns, open),
+            None => open(),
+        }
+        .map_err(|e| VmError::io(format!("cannot open tap {tap}"), e.source))?;
+        fds.tap = Some(passed.pass(file));
+    }
+    let (nodes, node_count) = pass_disk(disk::open_chain(&spec.disk)?, passed);
+    fds.disk = nodes;
+    if let Incoming::File(state) = incoming {
+        let file = File::open(state)
+            .map_err(|e| VmError::io(format!("cannot open {}", state.display()), e))?;
+        fds.incoming = Some(passed.pass(file));
+    }
+    Ok((fds, node_count))
+}
+
+/// Starts QEMU (`binary` `argv`) as `setup` says, with an empty environment (the server's
+/// API key and extension token are not QEMU's), output to its log, the console on a pipe
+/// whose read end is returned, and the `passed` descriptors (closed here once it runs).
+fn spawn_jailed(
+    binary: &Path,
+    argv: &[OsString],
+    paths: &RunPaths,
+    mut passed: PassedFds,
+    mut setup: ChildSetup,
+) -> Result<(Child, std::io::PipeReader), VmError> {
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&paths.qemu_log)
+        .map_err(|e| VmError::io(format!("cannot open {}", paths.qemu_log.display()), e))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| VmError::io("cannot duplicate the qemu log fd", e))?;
+    let (console_out, console_in) =
+        std::io::pipe().map_err(|e| VmError::io("cannot create the console pipe", e))?;
+    passed.fds.push((console_in.into(), CONSOLE_FD));
+    let mut cmd = Command::new(binary);
+    cmd.args(argv)
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_err);
+    setup.fds = passed.numbers();
+    configure_child(&mut cmd, setup);
+    let child = cmd.spawn().map_err(|source| VmError::Spawn {
+        binary: binary.to_path_buf(),
+        source,
+    })?;
+    // The child has entered the namespaces (or failed to) and holds its own copies;
+    // with the listeners closed here, a QEMU that dies makes the QMP connect fail.
+    drop(passed);
+    Ok((child, console_out))
 }
 
 /// Descriptors the server hands a QEMU process, numbered from 4 up (3 is the console).
@@ -792,57 +1042,14 @@ impl Vm {
 
     pub(crate) fn start(mut spec: VmSpec, launch: Launch<'_>) -> Result<Vm, VmError> {
         let binary = resolve_binary(&spec.qemu_binary)?;
-        for (what, path) in [
-            ("guest kernel", &spec.kernel),
-            ("initramfs", &spec.initramfs),
-            ("root disk", &spec.disk),
-        ] {
-            if !path.is_file() {
-                return Err(VmError::MissingAsset {
-                    what,
-                    path: path.clone(),
-                });
-            }
-        }
-        std::fs::create_dir_all(&spec.run_dir).map_err(|e| {
-            VmError::io(
-                format!("cannot create VM run dir {}", spec.run_dir.display()),
-                e,
-            )
-        })?;
-        let mut credentials = Credentials::lookup(VM_USER)
-            .map_err(|e| VmError::io(format!("cannot run QEMU as {VM_USER}"), e.source))?;
-        if spec.accel == Accel::Kvm {
-            // /dev/kvm's group (usually "kvm") is the one supplementary group QEMU keeps.
-            use std::os::unix::fs::MetadataExt;
-            let kvm = std::fs::metadata("/dev/kvm")
-                .map_err(|e| VmError::io("cannot stat /dev/kvm", e))?;
-            credentials.extra_group = Some(kvm.gid());
-        }
-        // A uid of its own (see `uids`), given back once the process is reaped.
-        let uid = super::uids::lease(VM_USER, credentials.uid);
-        if let Some(lease) = &uid {
-            credentials.uid = lease.uid;
-        }
+        check_assets(&spec)?;
+        let (credentials, uid) = qemu_credentials(spec.accel)?;
         let sockets = SocketDir::create()?;
         let paths = RunPaths::new(&spec.run_dir, &sockets.path);
-        for socket in [&paths.qmp_socket, &paths.agent_socket] {
-            if socket.as_os_str().len() > MAX_SOCKET_PATH {
-                return Err(VmError::InvalidSpec(format!(
-                    "socket path {} is longer than {MAX_SOCKET_PATH} bytes",
-                    socket.display()
-                )));
-            }
-        }
+        check_socket_paths(&paths)?;
         let cmdline = match launch.cmdline {
             Some(c) => c.to_owned(),
             None => kernel_cmdline(spec.accel, &spec.kernel_args)?,
-        };
-        // QEMU finds these by path inside its mount namespace, where they are bound at
-        // their real (absolute, symlink-free) paths.
-        let real = |path: &Path| {
-            std::fs::canonicalize(path)
-                .map_err(|e| VmError::io(format!("cannot resolve {}", path.display()), e))
         };
         let memory = match launch.memory {
             Some(m) => Some(MemoryFile {
@@ -851,15 +1058,7 @@ impl Vm {
             }),
             None => None,
         };
-        // In QEMU's namespace they are at fixed paths under JAIL_VM_DIR.
-        let (kernel, initramfs) = (spec.kernel.clone(), spec.initramfs.clone());
-        let host = HostFiles {
-            kernel: real(&kernel)?,
-            initramfs: real(&initramfs)?,
-            memory: memory.as_ref().map(|m| m.path.clone()),
-        };
-        spec.kernel = Path::new(JAIL_VM_DIR).join("kernel");
-        spec.initramfs = Path::new(JAIL_VM_DIR).join("initramfs");
+        let (host, kernel, initramfs) = move_boot_files_into_jail(&mut spec, memory.as_ref())?;
         let jailed_memory = memory.as_ref().map(|m| MemoryFile {
             path: Path::new(JAIL_VM_DIR).join("memory"),
             shared: m.shared,
@@ -871,69 +1070,24 @@ impl Vm {
         };
 
         let mut passed = PassedFds::new();
-        let mut fds = Inherited::default();
-        let bind = |path: &Path| {
-            UnixListener::bind(path)
-                .map_err(|e| VmError::io(format!("cannot bind {}", path.display()), e))
-        };
-        fds.qmp = passed.pass(bind(&paths.qmp_socket)?);
-        fds.agent = passed.pass(bind(&paths.agent_socket)?);
-        if let Some(tap) = &spec.tap {
-            let open = || crate::sys::tun::open_tap(tap);
-            let file = match &spec.netns {
-                Some(ns) => crate::sys::netns::with_netns(ns, open),
-                None => open(),
-            }
-            .map_err(|e| VmError::io(format!("cannot open tap {tap}"), e.source))?;
-            fds.tap = Some(passed.pass(file));
-        }
-        let (nodes, node_count) = pass_disk(disk::open_chain(&spec.disk)?, &mut passed);
-        fds.disk = nodes;
-        if let Incoming::File(state) = launch.incoming {
-            let file = File::open(state)
-                .map_err(|e| VmError::io(format!("cannot open {}", state.display()), e))?;
-            fds.incoming = Some(passed.pass(file));
-        }
+        let (fds, node_count) = open_inherited(&spec, &paths, launch.incoming, &mut passed)?;
         let argv = build_argv(&spec, &fds, &launch)?;
         let jail = plan_jail(&sockets.path, &binary, spec.accel, &host, memory.as_ref())?;
-
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&paths.qemu_log)
-            .map_err(|e| VmError::io(format!("cannot open {}", paths.qemu_log.display()), e))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| VmError::io("cannot duplicate the qemu log fd", e))?;
-        let (console_out, console_in) =
-            std::io::pipe().map_err(|e| VmError::io("cannot create the console pipe", e))?;
-        passed.fds.push((console_in.into(), CONSOLE_FD));
-        let mut cmd = Command::new(&binary);
-        // An empty environment: the server's (API key, extension token) is not QEMU's.
-        cmd.args(&argv)
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err);
-        configure_child(
-            &mut cmd,
+        let started = Instant::now();
+        let (child, console_out) = spawn_jailed(
+            &binary,
+            &argv,
+            &paths,
+            passed,
             ChildSetup {
                 netns: spec.netns.as_ref().map(|f| f.as_raw_fd()),
                 parent_death_signal: Some(libc::SIGKILL),
-                fds: passed.numbers(),
+                fds: Vec::new(),
                 jail: Some(jail),
                 credentials: Some(credentials),
                 dropped_capabilities: &[],
             },
-        );
-        let started = Instant::now();
-        let child = cmd.spawn().map_err(|source| VmError::Spawn {
-            binary: binary.clone(),
-            source,
-        })?;
-        // The child has entered the namespaces (or failed to) and holds its own copies;
-        // with the listeners closed here, a QEMU that dies makes the QMP connect fail.
-        drop(passed);
+        )?;
         let pid = child.id();
         let mut guard = ChildGuard(Some(child));
         let console = super::console::spawn_writer(
@@ -944,22 +1098,8 @@ impl Vm {
         .map_err(|e| VmError::io("cannot start the console writer thread", e))?;
         let qmp = connect_qmp(guard.0.as_mut().expect("set above"), &paths)?;
         let child = guard.0.take().expect("set above");
-        log::info!(
-            "vm op=spawn pid={pid} user={VM_USER} uid={} accel={} cpus={} memoryMb={} \
-             kernel={} runDir={} incoming={} qmpMs={}",
-            uid.as_ref()
-                .map(|l| l.uid.to_string())
-                .unwrap_or_else(|| VM_USER.into()),
-            spec.accel.name(),
-            spec.cpu_count,
-            spec.memory_mb,
-            kernel.display(),
-            spec.run_dir.display(),
-            !matches!(launch.incoming, Incoming::None | Incoming::Held),
-            started.elapsed().as_millis()
-        );
+        log_spawn(pid, uid.as_ref(), &spec, &kernel, launch.incoming, started);
         let top = fds.disk.last().expect("a chain has a top");
-        let (disk_node, disk_backing) = (top.name.clone(), top.backing.clone());
         let facts = VmFacts {
             kernel,
             initramfs,
@@ -967,8 +1107,8 @@ impl Vm {
             cpu_count: spec.cpu_count,
             memory_mb: spec.memory_mb,
             disk: spec.disk,
-            disk_node,
-            disk_backing,
+            disk_node: top.name.clone(),
+            disk_backing: top.backing.clone(),
             disk_nodes_added: node_count,
             tap: spec.tap,
             memory,
