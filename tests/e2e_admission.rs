@@ -142,13 +142,14 @@ fn assert_host_memory_refusal(code: u16, v: &serde_json::Value, what: &str) {
 #[test]
 fn a_standby_claim_and_a_resume_are_refused_below_the_reserve() {
     let _serial = serial();
-    // 400 MiB over the reserve for the standby and the first sandbox; then this test
-    // holds 1000 MiB, which leaves the host ~600 MiB below it (far more than other
-    // processes' memory moves while it runs).
-    let (headroom, hog_mb) = (400, 1000);
+    // 1500 MiB over the reserve: room for the template build, the first sandbox and the
+    // standby (together well under 1 GiB of host memory), and after them still room for
+    // the creates at the end; then this test holds 3000 MiB, which leaves the host far
+    // below the reserve (far more than other processes' memory moves while it runs).
+    let (headroom, hog_mb) = (1500, 3000);
     let reserve = available_mb()
         .checked_sub(headroom)
-        .expect("this test needs more than 400 MiB of MemAvailable");
+        .expect("this test needs more than 1500 MiB of MemAvailable");
     let s = Server::start(&format!(
         "[admission]\nreserved_memory_mb = {reserve}\nvm_startup_mb = 64\n"
     ));
