@@ -24,6 +24,7 @@ SCHEMATHESIS_VERSION=4.32.5
 E2B_JS_VERSION=2.51.0
 PLAYWRIGHT_CORE_VERSION=1.65.1
 PUPPETEER_CORE_VERSION=24.43.1
+KUBERNETES_VALIDATE_VERSION=1.37.0
 
 step() { printf '==> %s\n' "$*"; }
 die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
@@ -131,6 +132,10 @@ mkdir -p "$TEST_TOOLS"
 # tests/e2e_fuzz.rs fuzzes the API from its OpenAPI document.
 "$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION" \
   || die "cannot install schemathesis==$SCHEMATHESIS_VERSION from PyPI"
+# tests/deploy.rs validates deploy/kubernetes offline against the Kubernetes schemas it ships.
+"$TEST_TOOLS/venv/bin/pip" install -q --disable-pip-version-check \
+  "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" \
+  || die "cannot install kubernetes-validate==$KUBERNETES_VALIDATE_VERSION from PyPI"
 mkdir -p "$TEST_TOOLS/node"
 (cd "$TEST_TOOLS/node" && npm install --silent --no-audit --no-fund --no-save "e2b@$E2B_JS_VERSION") \
   || die "cannot install e2b@$E2B_JS_VERSION from npm"
@@ -163,6 +168,17 @@ if ! command -v nginx >/dev/null || ! command -v dnsmasq >/dev/null; then
   apt-get install -y -qq --no-install-recommends nginx dnsmasq-base || die "cannot install nginx and dnsmasq-base"
   if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
     systemctl disable --now nginx >/dev/null 2>&1 || true
+  fi
+fi
+
+step "cluster tests: Debian's haproxy"
+# tests/e2e_cluster.rs runs deploy/haproxy/haproxy.cfg in front of three nodes (its own
+# process, in a test network namespace); the distribution's service stays off.
+if ! command -v haproxy >/dev/null; then
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends haproxy || die "cannot install haproxy"
+  if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    systemctl disable --now haproxy >/dev/null 2>&1 || true
   fi
 fi
 

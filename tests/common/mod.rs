@@ -11,6 +11,8 @@ pub mod sdk;
 
 pub mod loopfs;
 
+pub mod cluster;
+
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -44,6 +46,9 @@ pub struct Server {
     /// The server binary this harness runs (the one cargo built, unless a test installed
     /// another).
     pub binary: PathBuf,
+    /// A program and its arguments the binary is run under (e.g. `nsenter` into a test's
+    /// namespaces, tests/common/cluster.rs); empty: the binary is run directly.
+    pub launcher: Vec<String>,
     pub base: String,
     pub state_dir: PathBuf,
     pub log_path: PathBuf,
@@ -122,6 +127,7 @@ pool_min = 1
         Server {
             child: None,
             binary: PathBuf::from(env!("CARGO_BIN_EXE_agentenv")),
+            launcher: Vec::new(),
             base: format!("http://127.0.0.1:{port}"),
             state_dir: state_dir.join("state"),
             log_path: state_dir.join("server.log"),
@@ -142,7 +148,15 @@ pool_min = 1
             .append(true)
             .open(&self.log_path)
             .unwrap();
-        let child = Command::new(&self.binary)
+        let mut cmd = match self.launcher.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(&self.binary);
+                cmd
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = cmd
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("RUST_LOG", "debug")
@@ -295,7 +309,7 @@ impl Drop for Server {
 }
 
 /// The test `[vm]` keys, with overrides.
-fn vm_table(overrides: &[(&str, String)]) -> String {
+pub fn vm_table(overrides: &[(&str, String)]) -> String {
     let mut keys = vec![
         (
             "assets_dir",
@@ -318,7 +332,7 @@ pub fn scratch_dir() -> PathBuf {
     std::env::temp_dir().join(format!("aenv-e2e-{}-{:x}", std::process::id(), rand_u64()))
 }
 
-fn rand_u64() -> u64 {
+pub fn rand_u64() -> u64 {
     let mut b = [0u8; 8];
     std::fs::File::open("/dev/urandom")
         .unwrap()
