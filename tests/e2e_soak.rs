@@ -121,6 +121,7 @@ fn soak(plan: &Plan) {
     let report = Report::of(&run, &ext, took, plan);
     report.print();
     assert_nothing_left(&s, &run);
+    report.print_log_of_unpaired(&s.log());
     report.assert_clean();
     drop(s);
     drop(fs);
@@ -887,6 +888,20 @@ impl Report {
             "soak: extension saw {} starts, {} stop attempts",
             self.starts, self.stops
         );
+    }
+
+    /// The server's log lines about each unpaired instance, so that a failure explains
+    /// itself (the log lives on the loop filesystem, gone once the test ends).
+    fn print_log_of_unpaired(&self, log: &str) {
+        for pair in &self.unpaired {
+            let Some(id) = pair.split('"').nth(1) else {
+                continue;
+            };
+            println!("soak: server log for {id}:");
+            for line in log.lines().filter(|l| l.contains(id)) {
+                println!("  {line}");
+            }
+        }
     }
 
     fn assert_clean(&self) {
