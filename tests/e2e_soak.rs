@@ -118,7 +118,11 @@ fn soak(plan: &Plan) {
     let took = started.elapsed();
     clean_up(&s, &run);
     s.stop();
-    let report = Report::of(&run, &ext, took, plan);
+    let report = Report::of(&run, &ext, (started, took), plan, &s.log());
+    println!(
+        "soak: faults at (s after the start) {}",
+        run.faults.lock().timeline(started)
+    );
     report.print();
     assert_nothing_left(&s, &run);
     report.print_log_of_unpaired(&s.log());
@@ -157,6 +161,33 @@ struct Faults {
     /// From just before the SIGKILL to the restarted server's first healthy answer.
     server_down: Vec<(Instant, Instant)>,
     qemu_kills: Vec<(String, Instant)>,
+}
+
+impl Faults {
+    /// When each fault came, in seconds after `t0`, for a report a reader can line
+    /// answers up with.
+    fn timeline(&self, t0: Instant) -> String {
+        let s = |t: &Instant| t.saturating_duration_since(t0).as_secs_f64();
+        let spans = |v: &[(Instant, Instant)]| {
+            v.iter()
+                .map(|(a, b)| format!("{:.1}-{:.1}", s(a), s(b)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let kills: Vec<String> = self
+            .qemu_kills
+            .iter()
+            .map(|(id, at)| format!("{id}@{:.1}", s(at)))
+            .collect();
+        format!(
+            "hook errors {}; hook delays {}; disk full {}; server down {}; QEMU kills {}",
+            spans(&self.hook_errors),
+            spans(&self.hook_delays),
+            spans(&self.disk_full),
+            spans(&self.server_down),
+            kills.join(" ")
+        )
+    }
 }
 
 /// The shared state of one soak.
@@ -828,12 +859,22 @@ struct Report {
     by_op: BTreeMap<&'static str, (usize, f64)>,
     unexplained: Vec<String>,
     unpaired: Vec<String>,
+    /// Stops given up, rightly, before a newer start of their sandbox (§6.2).
+    given_up: usize,
+    /// The three slowest answers: op, seconds, status.
+    slowest: Vec<(&'static str, f64, Option<u16>)>,
     starts: usize,
     stops: usize,
 }
 
 impl Report {
-    fn of(run: &Run, ext: &Extension, took: Duration, plan: &Plan) -> Report {
+    fn of(
+        run: &Run,
+        ext: &Extension,
+        (t0, took): (Instant, Duration),
+        plan: &Plan,
+        log: &str,
+    ) -> Report {
         let faults = run.faults.lock();
         let answers = run.answers.lock().clone();
         let mut r = Report {
@@ -844,10 +885,19 @@ impl Report {
             by_status: BTreeMap::new(),
             by_op: BTreeMap::new(),
             unexplained: Vec::new(),
-            unpaired: pairing(ext, &faults),
+            unpaired: Vec::new(),
+            given_up: 0,
+            slowest: Vec::new(),
             starts: 0,
             stops: 0,
         };
+        (r.unpaired, r.given_up) = pairing(ext, &faults, log);
+        let mut slow: Vec<_> = answers
+            .iter()
+            .map(|a| (a.op, (a.end - a.start).as_secs_f64(), a.status))
+            .collect();
+        slow.sort_by(|a, b| b.1.total_cmp(&a.1));
+        r.slowest = slow.into_iter().take(3).collect();
         r.starts = ext.requests_for("start-fresh").len() + ext.requests_for("start-resume").len();
         r.stops = ext.requests_for("stop").len();
         for a in &answers {
@@ -861,7 +911,12 @@ impl Report {
             match explain(a, &faults) {
                 Ok(None) => {}
                 Ok(Some(cause)) => *r.by_cause.entry(cause.to_string()).or_default() += 1,
-                Err(why) => r.unexplained.push(format!("{} {why}: {a:?}", a.op)),
+                Err(why) => r.unexplained.push(format!(
+                    "{} {why} (from {:.1} s to {:.1} s): {a:?}",
+                    a.op,
+                    a.start.saturating_duration_since(t0).as_secs_f64(),
+                    a.end.saturating_duration_since(t0).as_secs_f64()
+                )),
             }
         }
         r
@@ -885,9 +940,10 @@ impl Report {
             .collect();
         println!("soak: successful operations, mean time: {}", ops.join(", "));
         println!(
-            "soak: extension saw {} starts, {} stop attempts",
-            self.starts, self.stops
+            "soak: extension saw {} starts, {} stop attempts; {} stops given up before a newer start",
+            self.starts, self.stops, self.given_up
         );
+        println!("soak: slowest answers (op, s, status): {:?}", self.slowest);
     }
 
     /// The server's log lines about each unpaired instance, so that a failure explains
@@ -988,8 +1044,14 @@ fn explain(a: &Answer, f: &Faults) -> Result<Option<&'static str>, String> {
 
 /// Every start the extension received has a stop for its pair answered 2xx, only one
 /// unless a server SIGKILL came between (custom-extension.md §4.7), and no stop names a
-/// pair never started (§4.5).
-fn pairing(ext: &Extension, f: &Faults) -> Vec<String> {
+/// pair never started (§4.5). The one exception, counted apart: a stop whose retry was cut
+/// short by a newer start of its sandbox, whose final attempt failed too (§6.2, §8.4).
+fn pairing(ext: &Extension, f: &Faults, log: &str) -> (Vec<String>, usize) {
+    let starts: Vec<Recorded> = ["start-fresh", "start-resume"]
+        .iter()
+        .flat_map(|h| ext.requests_for(h))
+        .collect();
+    let mut given_up = 0;
     let key = |r: &Recorded| (r.sandbox_id().to_string(), r.instance_id().to_string());
     let mut stops: HashMap<(String, String), Vec<Recorded>> = HashMap::new();
     for stop in ext.requests_for("stop") {
@@ -997,11 +1059,8 @@ fn pairing(ext: &Extension, f: &Faults) -> Vec<String> {
     }
     let mut bad = Vec::new();
     let mut started = std::collections::HashSet::new();
-    for start in ["start-fresh", "start-resume"]
-        .iter()
-        .flat_map(|h| ext.requests_for(h))
-    {
-        let pair = key(&start);
+    for start in &starts {
+        let pair = key(start);
         started.insert(pair.clone());
         let delivered: Vec<&Recorded> = stops
             .get(&pair)
@@ -1017,6 +1076,7 @@ fn pairing(ext: &Extension, f: &Faults) -> Vec<String> {
                 .any(|(t0, _)| *t0 >= a.at && *t0 <= b.at)
         };
         match delivered.as_slice() {
+            [] if given_up_for_newer_start(&pair, stops.get(&pair), &starts, log) => given_up += 1,
             [] => bad.push(format!("{} {pair:?}: no stop delivered", start.hook)),
             [_] => {}
             [first, rest @ ..] if rest.iter().all(|r| crash_between(first, r)) => {}
@@ -1030,5 +1090,25 @@ fn pairing(ext: &Extension, f: &Faults) -> Vec<String> {
     for pair in stops.keys().filter(|p| !started.contains(*p)) {
         bad.push(format!("a stop for {pair:?}, never started"));
     }
-    bad
+    (bad, given_up)
+}
+
+/// Whether the stop of `pair` was given up as §6.2 says: fewer than the four attempts, the
+/// last one made right before a newer start of the same sandbox went out, and the server
+/// logged giving it up.
+fn given_up_for_newer_start(
+    (sandbox, instance): &(String, String),
+    attempts: Option<&Vec<Recorded>>,
+    starts: &[Recorded],
+    log: &str,
+) -> bool {
+    let Some(last) = attempts.and_then(|a| a.iter().max_by_key(|r| r.at)) else {
+        return false;
+    };
+    let logged = format!("stop hook given up sandboxId={sandbox} sandboxInstanceId={instance} ");
+    attempts.is_some_and(|a| a.len() < 4)
+        && log.contains(&logged)
+        && starts
+            .iter()
+            .any(|s| s.sandbox_id() == sandbox && s.instance_id() != instance && s.at >= last.at)
 }

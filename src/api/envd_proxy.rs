@@ -293,6 +293,7 @@ impl EnvdProxy {
             dest,
             host: &host,
             tunnel_idle: self.tunnel_idle,
+            orchestrator: &self.orchestrator,
         };
         match exchange.run(request) {
             Ok(status) => log::debug!(
@@ -486,9 +487,25 @@ struct Exchange<'a> {
     /// The `Host` the guest receives.
     host: &'a str,
     tunnel_idle: Duration,
+    orchestrator: &'a Orchestrator,
 }
 
 impl Exchange<'_> {
+    /// Why the guest port did not answer: a VM that QEMU paused on a full state disk
+    /// while the connect waited answers 507 like a call made after it (operations.md
+    /// §10.3), anything else 502.
+    fn unreachable(&self, e: &EnvdError) -> ApiError {
+        let route = self.orchestrator.envd_route(&self.dest.sandbox);
+        if let EnvdRoute::PausedOnIoError { message, .. } = route {
+            return ApiError::from(OrchError::InsufficientStorage(message));
+        }
+        let message = format!(
+            "The sandbox {} is running but port {} is not open: {e}",
+            self.dest.sandbox, self.dest.port
+        );
+        ApiError::new(502, message)
+    }
+
     /// Sends `request` to the guest and its answer back (or, after a `101` to an
     /// upgrade, tunnels the connection); the answer's status.
     fn run(&self, mut request: Request) -> Result<u16, EnvdError> {
@@ -514,11 +531,7 @@ impl Exchange<'_> {
         let mut conn = match envd::Connection::open(self.addr, self.patience.clone()) {
             Ok(c) => c,
             Err(e) => {
-                let message = format!(
-                    "The sandbox {} is running but port {} is not open: {e}",
-                    self.dest.sandbox, self.dest.port
-                );
-                answer_error(request, &ApiError::new(502, message));
+                answer_error(request, &self.unreachable(&e));
                 return Err(e);
             }
         };
