@@ -35,8 +35,9 @@ pub struct HookJournal {
 
 impl HookJournal {
     /// Creates the directory (mode 0700) if needed and loads the open entries, oldest
-    /// first. Leftover temp files are removed; unreadable entries are removed with a WARN
-    /// (a torn write cannot happen with `write_atomic`, so this is outside damage).
+    /// first. Leftover temp files are removed; unreadable entries (a torn write cannot
+    /// happen with `write_atomic`, so this is outside damage) are moved to the state dir's
+    /// quarantine (the journal's parent) with the reason, never deleted.
     pub fn open(dir: &Path) -> Result<(HookJournal, Vec<JournalEntry>), HookError> {
         let journal_err = |what: &str, e: &dyn std::fmt::Display| {
             HookError::Journal(format!("cannot {what} {}: {e}", dir.display()))
@@ -67,11 +68,11 @@ impl HookJournal {
             match parsed {
                 Ok(e) => entries.push(e),
                 Err(why) => {
-                    warn!(
-                        "removing unreadable hook journal entry path={} error={why:?}",
-                        path.display()
-                    );
-                    let _ = fs::remove_file(&path);
+                    let state_dir = dir.parent().unwrap_or(dir);
+                    let why = format!("unreadable hook journal entry: {why}");
+                    if store::quarantine(state_dir, &path, &why).is_none() {
+                        warn!("hook journal entry left in place path={}", path.display());
+                    }
                 }
             }
         }
@@ -136,7 +137,8 @@ mod tests {
 
     #[test]
     fn record_load_close_round_trip() {
-        let dir = std::env::temp_dir().join(format!("aenv-journal-{}", crate::util::new_id()));
+        let state = std::env::temp_dir().join(format!("aenv-journal-{}", crate::util::new_id()));
+        let dir = state.join("journal");
         let (j, loaded) = HookJournal::open(&dir).unwrap();
         assert!(loaded.is_empty());
         let (a, b) = (entry(1), entry(2));
@@ -151,11 +153,17 @@ mod tests {
             .unwrap()
             .map(|d| d.unwrap().file_name())
             .collect();
-        assert_eq!(names.len(), 2, "temp and bogus files removed: {names:?}");
+        assert_eq!(names.len(), 2, "temp and bogus files gone: {names:?}");
+        let kept: Vec<_> = fs::read_dir(state.join("quarantine"))
+            .unwrap()
+            .map(|d| d.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(kept.len(), 2, "the bogus entry and its reason: {kept:?}");
+        assert!(kept.iter().any(|n| n.starts_with("journal-bogus.json-")));
         j.close(&a.sandbox_instance_id).unwrap();
         j.close(&a.sandbox_instance_id).unwrap();
         let (_, loaded) = HookJournal::open(&dir).unwrap();
         assert_eq!(loaded, vec![b]);
-        fs::remove_dir_all(&dir).unwrap();
+        fs::remove_dir_all(&state).unwrap();
     }
 }
