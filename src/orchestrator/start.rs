@@ -21,7 +21,7 @@
 use super::admission::{Admission, Reservation};
 use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
-use super::sides::{Extension, Machines, Network};
+use super::sides::{Extension, Machine, Machines, Network};
 use super::standby::{Prepared, StandbyPool};
 use super::state_disk::StateDisk;
 use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
@@ -201,123 +201,177 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
         StartKind::Restore { standby, .. } => standby.take(),
         StartKind::Fresh { .. } => None,
     };
-    let (reservation, mut slot, prepared) = match standby {
-        Some(p) => {
-            let Prepared {
-                vm,
-                slot,
-                reservation,
-            } = *p;
-            // The standby's guest has loaded nothing yet: the host must have room now.
-            if let Err(e) = launcher.admission.admit_claim(&reservation) {
-                vm.kill();
-                launcher.net.release(slot);
-                return Err(e);
-            }
-            (reservation, slot, Some(vm))
-        }
-        None => {
-            let reservation = reserve(launcher, resources)?;
-            (reservation, launcher.net.acquire()?, None)
-        }
-    };
+    let (reservation, mut slot, prepared) = take_resources(launcher, standby, resources)?;
     if let Err(e) = apply_egress(launcher, &mut slot, internet_access, &egress) {
-        {
-            if let Some(vm) = prepared {
-                vm.kill();
-            }
-            launcher.net.release(slot);
-            return Err(e.into());
+        if let Some(vm) = prepared {
+            vm.kill();
+        }
+        launcher.net.release(slot);
+        return Err(e.into());
+    }
+    let context = start_context(&id, &slot, &params);
+    let placed = Placed {
+        id,
+        run_dir,
+        slot,
+        resources,
+        reservation,
+        watch,
+        exports,
+    };
+    match kind {
+        StartKind::Fresh { memory_file, disk } => start_fresh(
+            launcher,
+            placed,
+            &context,
+            (memory_file, disk),
+            failed_reason,
+        ),
+        StartKind::Restore { record, disk, .. } => start_restore(
+            launcher,
+            placed,
+            &context,
+            (record, disk, prepared),
+            failed_reason,
+        ),
+    }
+}
+
+/// What a start holds once it has its share of the host and its slot.
+struct Placed {
+    id: String,
+    run_dir: RunDir,
+    slot: Slot,
+    resources: Resources,
+    reservation: Reservation,
+    watch: Box<dyn Watch>,
+    exports: Vec<crate::volume::nfs::Export>,
+}
+
+impl Placed {
+    fn plan(self, instance: Instance, launch: Launch) -> StartPlan {
+        StartPlan {
+            id: self.id,
+            run_dir: self.run_dir,
+            slot: self.slot,
+            instance,
+            launch,
+            resources: self.resources,
+            reservation: self.reservation,
+            watch: self.watch,
+            exports: self.exports,
         }
     }
-    let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
-    let context = start_context(&id, &slot, &params);
-    let (instance, hooked) = match kind {
-        StartKind::Fresh { memory_file, disk } => {
-            let mut kernel_args = launcher.kernel_args.clone();
-            let base_cmdline = match vm::kernel_cmdline(launcher.accel, &kernel_args) {
-                Ok(c) => c,
-                Err(e) => {
-                    launcher.net.release(slot);
-                    return Err(OrchError::vm("building the kernel command line", e));
-                }
-            };
-            let (instance, hook) = launcher.hooks.start_fresh(&context, base_cmdline.len());
-            let hooked = hook.map(|extra| {
-                kernel_args.extend(extra);
-                Launch::Cold {
-                    kernel_args,
-                    memory_file,
-                    disk,
-                }
-            });
-            (instance, hooked)
-        }
-        StartKind::Restore { record, disk, .. } => {
-            // The VM is prepared while the hook runs; the supervisor takes the hook's
-            // outcome and undoes everything itself when it failed.
-            let (hook_tx, hook_rx) = crossbeam_channel::bounded(1);
-            let launching = supervisor::begin(
-                launcher,
-                StartPlan {
-                    id,
-                    run_dir,
-                    slot,
-                    instance: Instance {
-                        sandbox_id: context.sandbox_id.clone(),
-                        instance_id: None,
-                    },
-                    launch: Launch::Restore {
-                        record,
-                        disk,
-                        hook: hook_rx,
-                        failed_reason,
-                        prepared,
-                    },
-                    resources,
-                    reservation,
-                    watch,
-                    exports,
-                },
-            )?;
-            let (instance, result) = launcher.hooks.start_resume(&context);
-            if let Err(unsent) = hook_tx.send(HookOutcome { instance, result }) {
-                // The supervisor is gone (its launch reply says why); the instance is
-                // still owed its stop.
-                launcher.hooks.stop(unsent.0.instance, failed_reason);
-            }
-            let (ops, agent) = launching.wait()?;
-            return Ok(Started {
-                runtime: RuntimeHandle::new(ops, agent),
-                host_ip,
-                netns_path,
-            });
+
+    /// Where the slot's guest is reached, for the answer.
+    fn addresses(&self) -> (Ipv4Addr, PathBuf) {
+        (self.slot.host_ip(), self.slot.netns_path().to_path_buf())
+    }
+}
+
+/// A start's share of the host, its slot, and a claimed standby's prepared VM.
+type Held = (Reservation, Slot, Option<Box<dyn Machine>>);
+
+/// A claimed standby's share, slot and prepared VM, or a new reservation and slot.
+fn take_resources(
+    launcher: &Launcher,
+    standby: Option<Box<Prepared>>,
+    resources: Resources,
+) -> Result<Held, OrchError> {
+    let Some(p) = standby else {
+        let reservation = reserve(launcher, resources)?;
+        return Ok((reservation, launcher.net.acquire()?, None));
+    };
+    let Prepared {
+        vm,
+        slot,
+        reservation,
+    } = *p;
+    // The standby's guest has loaded nothing yet: the host must have room now.
+    if let Err(e) = launcher.admission.admit_claim(&reservation) {
+        vm.kill();
+        launcher.net.release(slot);
+        return Err(e);
+    }
+    Ok((reservation, slot, Some(vm)))
+}
+
+/// A fresh boot: start-fresh, then the supervisor boots the VM with the hook's kernel
+/// arguments; a failed hook gets its stop before the answer (custom-extension.md §7.3).
+fn start_fresh(
+    launcher: &Arc<Launcher>,
+    placed: Placed,
+    context: &StartContext,
+    (memory_file, disk): (Option<PathBuf>, Option<PathBuf>),
+    failed_reason: StopReason,
+) -> Result<Started, OrchError> {
+    let mut kernel_args = launcher.kernel_args.clone();
+    let base_cmdline = match vm::kernel_cmdline(launcher.accel, &kernel_args) {
+        Ok(c) => c,
+        Err(e) => {
+            launcher.net.release(placed.slot);
+            return Err(OrchError::vm("building the kernel command line", e));
         }
     };
-    let launch = match hooked {
-        Ok(launch) => launch,
+    let (instance, hook) = launcher.hooks.start_fresh(context, base_cmdline.len());
+    let extra = match hook {
+        Ok(extra) => extra,
         Err(e) => {
             // Rollback before the answer (custom-extension.md §7.3): stop for the
             // attempt, then the slot; the reservation goes on return.
             launcher.hooks.stop(instance, failed_reason);
-            launcher.net.release(slot);
+            launcher.net.release(placed.slot);
             return Err(e.into());
         }
     };
-    let (ops, agent) = supervisor::start(
-        launcher,
-        StartPlan {
-            id,
-            run_dir,
-            slot,
-            instance,
-            launch,
-            resources,
-            reservation,
-            watch,
-            exports,
-        },
-    )?;
+    kernel_args.extend(extra);
+    let launch = Launch::Cold {
+        kernel_args,
+        memory_file,
+        disk,
+    };
+    let (host_ip, netns_path) = placed.addresses();
+    let (ops, agent) = supervisor::start(launcher, placed.plan(instance, launch))?;
+    Ok(Started {
+        runtime: RuntimeHandle::new(ops, agent),
+        host_ip,
+        netns_path,
+    })
+}
+
+/// What a restore brings: the capture, the writable top layer, a claimed standby's VM.
+type RestoreParts = (Box<CaptureRecord>, PathBuf, Option<Box<dyn Machine>>);
+
+/// A restore: the VM is prepared while start-resume runs; the supervisor takes the
+/// hook's outcome and undoes everything itself when it failed.
+fn start_restore(
+    launcher: &Arc<Launcher>,
+    placed: Placed,
+    context: &StartContext,
+    (record, disk, prepared): RestoreParts,
+    failed_reason: StopReason,
+) -> Result<Started, OrchError> {
+    let (hook_tx, hook_rx) = crossbeam_channel::bounded(1);
+    let launch = Launch::Restore {
+        record,
+        disk,
+        hook: hook_rx,
+        failed_reason,
+        prepared,
+    };
+    let instance = Instance {
+        sandbox_id: context.sandbox_id.clone(),
+        instance_id: None,
+    };
+    let (host_ip, netns_path) = placed.addresses();
+    let launching = supervisor::begin(launcher, placed.plan(instance, launch))?;
+    let (instance, result) = launcher.hooks.start_resume(context);
+    if let Err(unsent) = hook_tx.send(HookOutcome { instance, result }) {
+        // The supervisor is gone (its launch reply says why); the instance is
+        // still owed its stop.
+        launcher.hooks.stop(unsent.0.instance, failed_reason);
+    }
+    let (ops, agent) = launching.wait()?;
     Ok(Started {
         runtime: RuntimeHandle::new(ops, agent),
         host_ip,

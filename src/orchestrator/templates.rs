@@ -758,34 +758,6 @@ fn build(
         .prepare_rootfs_with(&req.image, req.resources.disk_size_mb, &progress.image)
         .map_err(|e| base(e.into()))?;
     progress.set(BuildPhase::Booting);
-    let sandbox_id = crate::util::new_id();
-    let run_dir = RunDir::create(
-        crate::store::layout::StateLayout::new(&shared.config.server.state_dir)
-            .template_builds()
-            .join(&sandbox_id),
-    )?;
-    let settings = SandboxSettings {
-        template_id: image.reference.clone(),
-        alias: None,
-        resources: req.resources,
-        timeout_secs: shared.config.sandbox.default_timeout_secs,
-        auto_pause: true,
-        auto_pause_memory: true,
-        auto_resume: false,
-        metadata: BTreeMap::new(),
-        env_vars: req.env_vars.clone(),
-        image_env: image.env.clone(),
-        internet_access: shared.config.network.outbound,
-        ingress: Default::default(),
-        network: Default::default(),
-        custom_extension_params: serde_json::json!({}),
-        volume_mounts: Vec::new(),
-    };
-    // The build VM's RAM lives in the template's directory: its capture then holds only
-    // device state, and every sandbox created from the template maps the RAM file
-    // copy-on-write instead of loading it (the fast path of create-from-template).
-    let template_dir = shared.snapshots.dir(template_id);
-    crate::store::ensure_private_dir(&template_dir).map_err(OrchError::from)?;
     let spec = req.catalog.as_ref().and_then(|c| c.spec.as_ref());
     let plan = spec.map(|spec| {
         let base = format!(
@@ -800,106 +772,33 @@ fn build(
         let keys = plan.keys.clone();
         shared.builds.change(template_id, |b| b.cache_keys = keys);
     }
-    // On a cache hit the build boots on the last cached step's disk.
-    let cached_disk = match plan.as_ref().filter(|p| p.hit > 0) {
-        Some(p) => Some(
-            crate::vm::create_clone_disk(&p.layers, run_dir.path())
-                .map_err(|e| OrchError::vm("cloning the cached step's disk", e))?,
-        ),
-        None => None,
+    let settings = build_settings(shared, req, &image);
+    let cancelled = progress.cancelled.clone();
+    let vm = BuildVm::boot(
+        shared,
+        template_id,
+        &image,
+        &settings,
+        plan.as_ref(),
+        cancelled,
+    )?;
+    let stop_build = || vm.booted.runtime.delete(StopReason::TemplateBuild);
+    let prepared = match (spec, &plan) {
+        (Some(spec), Some(plan)) => run_spec(shared, &vm, &image, spec, plan, progress),
+        _ => legacy_start_cmd(shared, req, &image, &vm.booted.runtime.agent, progress)
+            .map_err(BuildFailure::from),
     };
-    let watch = BuildWatch::new(progress.cancelled.clone());
-    let start_req = StartRequest {
-        id: sandbox_id.clone(),
-        run_dir,
-        kind: StartKind::Fresh {
-            memory_file: Some(template_dir.join("memory.ram")),
-            disk: cached_disk.clone(),
-        },
-        resources: settings.resources,
-        internet_access: settings.internet_access,
-        egress: settings.network.rules(),
-        params: settings.custom_extension_params.clone(),
-        failed_reason: StopReason::TemplateBuild,
-        // Never registered: nothing to forget or mark; a death names the failure.
-        watch: Box::new(watch.clone()),
-        volumes: Vec::new(),
-    };
-    let booted = match cached_disk {
-        Some(_) => super::start::start(&shared.launcher, start_req)?,
-        None => operations::boot_fresh(&shared.launcher, &image, start_req)?,
-    };
-    let (ops, agent) = (&booted.runtime.ops, &booted.runtime.agent);
-    let stop_build = || booted.runtime.delete(StopReason::TemplateBuild);
-    if let (Some(spec), Some(plan)) = (spec, &plan) {
-        progress.set(BuildPhase::StartCmd);
-        let addr = std::net::SocketAddr::new(booted.host_ip.into(), shared.config.agent.port);
-        let deadline =
-            Instant::now() + Duration::from_secs(shared.config.templates.build_timeout_secs);
-        let mut runner = StepRunner {
-            addr,
-            image_env: image.env.iter().cloned().collect(),
-            state: StepState::default(),
-            log: &progress.log,
-            deadline,
-            cancelled: progress.cancelled.clone(),
-        };
-        let copier = super::build_files::UploadedFiles {
-            store: &shared.uploads,
-            agent,
-        };
-        let mut caching = true;
-        let freeze = |i: usize, runner: &StepRunner| {
-            if caching {
-                caching = cache_step(shared, ops, runner, &plan.keys[i], i + 1);
-            }
-        };
-        let ran = runner
-            .run_steps(&spec.steps, plan.hit, &copier, freeze)
-            .and_then(|()| {
-                runner.start_and_wait_ready(spec.start_cmd.as_deref(), spec.ready_cmd.as_deref())
-            })
-            .and_then(|()| runner.hand_over_defaults());
-        if let Err(f) = ran {
-            stop_build();
-            let f = BuildFailure::from(f);
-            return Err(BuildFailure {
-                error: watch.named(f.error),
-                step: f.step,
-            });
-        }
-        progress.log.push(
-            LogLevel::Info,
-            "capturing the template".into(),
-            Some(super::build_steps::FINALIZE_STEP),
-        );
-    } else {
-        legacy_start_cmd(shared, req, &image, agent, progress).map_err(|e| {
-            stop_build();
-            watch.named(e)
-        })?;
+    if let Err(f) = prepared {
+        stop_build();
+        return Err(BuildFailure {
+            error: vm.watch.named(f.error),
+            step: f.step,
+        });
     }
     progress.set(BuildPhase::Capturing);
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    ops.send(Op::Snapshot {
-        dir: shared.snapshots.dir(template_id),
-        run_on: false,
-        reply: tx,
-    })
-    .map_err(|_| watch.named(OrchError::Internal("the build VM is gone".into())))?;
-    let captured = rx.recv();
+    let captured = vm.capture(shared, template_id);
     stop_build();
-    let capture = match captured {
-        Ok(Ok(c)) => c,
-        Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => {
-            return Err(watch.named(e).into())
-        }
-        _ => {
-            return Err(watch
-                .named(OrchError::Internal("the build VM is gone".into()))
-                .into())
-        }
-    };
+    let capture = captured?;
     if progress.cancelled.load(Ordering::SeqCst) {
         return Err(OrchError::Conflict(
             "the build was cancelled (its template was deleted)".into(),
@@ -907,7 +806,7 @@ fn build(
         .into());
     }
     let info = SandboxInfo::new(
-        sandbox_id,
+        vm.sandbox_id,
         settings,
         std::net::Ipv4Addr::UNSPECIFIED,
         PathBuf::new(),
@@ -925,6 +824,169 @@ fn build(
         .launcher
         .standby
         .want(template_id, &capture, req.resources);
+    Ok(())
+}
+
+/// The settings a template's sandboxes start from: the build's resources and env, the
+/// configured defaults for the rest.
+fn build_settings(
+    shared: &Shared,
+    req: &TemplateRequest,
+    image: &crate::image::PreparedImage,
+) -> SandboxSettings {
+    SandboxSettings {
+        template_id: image.reference.clone(),
+        alias: None,
+        resources: req.resources,
+        timeout_secs: shared.config.sandbox.default_timeout_secs,
+        auto_pause: true,
+        auto_pause_memory: true,
+        auto_resume: false,
+        metadata: BTreeMap::new(),
+        env_vars: req.env_vars.clone(),
+        image_env: image.env.clone(),
+        internet_access: shared.config.network.outbound,
+        ingress: Default::default(),
+        network: Default::default(),
+        custom_extension_params: serde_json::json!({}),
+        volume_mounts: Vec::new(),
+    }
+}
+
+/// A template build's VM, booted and never registered as a sandbox.
+struct BuildVm {
+    sandbox_id: String,
+    booted: super::start::Started,
+    watch: BuildWatch,
+}
+
+impl BuildVm {
+    /// Boots the build VM with its RAM in the template's directory: the capture then
+    /// holds only device state, and every sandbox created from the template maps the RAM
+    /// file copy-on-write instead of loading it (the fast path of create-from-template).
+    /// On a step-cache hit it boots on the last cached step's disk.
+    fn boot(
+        shared: &Arc<Shared>,
+        template_id: &str,
+        image: &crate::image::PreparedImage,
+        settings: &SandboxSettings,
+        plan: Option<&super::step_cache::CachePlan>,
+        cancelled: Arc<AtomicBool>,
+    ) -> Result<BuildVm, OrchError> {
+        let sandbox_id = crate::util::new_id();
+        let run_dir = RunDir::create(
+            crate::store::layout::StateLayout::new(&shared.config.server.state_dir)
+                .template_builds()
+                .join(&sandbox_id),
+        )?;
+        let template_dir = shared.snapshots.dir(template_id);
+        crate::store::ensure_private_dir(&template_dir)?;
+        let cached_disk = match plan.filter(|p| p.hit > 0) {
+            Some(p) => Some(
+                crate::vm::create_clone_disk(&p.layers, run_dir.path())
+                    .map_err(|e| OrchError::vm("cloning the cached step's disk", e))?,
+            ),
+            None => None,
+        };
+        let watch = BuildWatch::new(cancelled);
+        let start_req = StartRequest {
+            id: sandbox_id.clone(),
+            run_dir,
+            kind: StartKind::Fresh {
+                memory_file: Some(template_dir.join("memory.ram")),
+                disk: cached_disk.clone(),
+            },
+            resources: settings.resources,
+            internet_access: settings.internet_access,
+            egress: settings.network.rules(),
+            params: settings.custom_extension_params.clone(),
+            failed_reason: StopReason::TemplateBuild,
+            // Never registered: nothing to forget or mark; a death names the failure.
+            watch: Box::new(watch.clone()),
+            volumes: Vec::new(),
+        };
+        let booted = match cached_disk {
+            Some(_) => super::start::start(&shared.launcher, start_req)?,
+            None => operations::boot_fresh(&shared.launcher, image, start_req)?,
+        };
+        Ok(BuildVm {
+            sandbox_id,
+            booted,
+            watch,
+        })
+    }
+
+    /// Captures the build VM into the template's directory (the VM does not run on).
+    fn capture(
+        &self,
+        shared: &Shared,
+        template_id: &str,
+    ) -> Result<crate::vm::CaptureRecord, BuildFailure> {
+        let gone = || OrchError::Internal("the build VM is gone".into());
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.booted
+            .runtime
+            .ops
+            .send(Op::Snapshot {
+                dir: shared.snapshots.dir(template_id),
+                run_on: false,
+                reply: tx,
+            })
+            .map_err(|_| self.watch.named(gone()))?;
+        match rx.recv() {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(PauseOutcome::RanOn(e) | PauseOutcome::Gone(e))) => {
+                Err(self.watch.named(e).into())
+            }
+            _ => Err(self.watch.named(gone()).into()),
+        }
+    }
+}
+
+/// Runs a build spec's steps (from the first the cache does not hold), its start and
+/// ready commands, and hands the defaults over to the template's sandboxes.
+fn run_spec(
+    shared: &Arc<Shared>,
+    vm: &BuildVm,
+    image: &crate::image::PreparedImage,
+    spec: &BuildSpec,
+    plan: &super::step_cache::CachePlan,
+    progress: &BuildProgress,
+) -> Result<(), BuildFailure> {
+    progress.set(BuildPhase::StartCmd);
+    let (ops, agent) = (&vm.booted.runtime.ops, &vm.booted.runtime.agent);
+    let addr = std::net::SocketAddr::new(vm.booted.host_ip.into(), shared.config.agent.port);
+    let deadline = Instant::now() + Duration::from_secs(shared.config.templates.build_timeout_secs);
+    let mut runner = StepRunner {
+        addr,
+        image_env: image.env.iter().cloned().collect(),
+        state: StepState::default(),
+        log: &progress.log,
+        deadline,
+        cancelled: progress.cancelled.clone(),
+    };
+    let copier = super::build_files::UploadedFiles {
+        store: &shared.uploads,
+        agent,
+    };
+    let mut caching = true;
+    let freeze = |i: usize, runner: &StepRunner| {
+        if caching {
+            caching = cache_step(shared, ops, runner, &plan.keys[i], i + 1);
+        }
+    };
+    runner
+        .run_steps(&spec.steps, plan.hit, &copier, freeze)
+        .and_then(|()| {
+            runner.start_and_wait_ready(spec.start_cmd.as_deref(), spec.ready_cmd.as_deref())
+        })
+        .and_then(|()| runner.hand_over_defaults())
+        .map_err(BuildFailure::from)?;
+    progress.log.push(
+        LogLevel::Info,
+        "capturing the template".into(),
+        Some(super::build_steps::FINALIZE_STEP),
+    );
     Ok(())
 }
 
