@@ -261,6 +261,32 @@ pub fn serve_envd(port: u16, reaper: Arc<Reaper>) {
 /// Everything PID 1 does. Never returns.
 pub fn run_pid1() -> ! {
     let started = Instant::now();
+    let cfg = mount_early();
+    enter_root(&cfg);
+    let reaper = match Reaper::reap_all() {
+        Ok(r) => r,
+        Err(e) => fatal(&format!("starting the reaper thread: {e}")),
+    };
+    let http_port = cfg.http_port;
+    let envd_reaper = reaper.clone();
+    if let Err(e) = std::thread::Builder::new()
+        .name("envd".into())
+        .spawn(move || serve_envd(http_port, envd_reaper))
+    {
+        say(&format!("starting the HTTP thread failed: {e}"));
+    }
+    let (port_path, port, writer) = open_agent_port();
+    say(&format!(
+        "ready in {} ms: agent on {}, HTTP on port {http_port}",
+        started.elapsed().as_millis(),
+        port_path.display()
+    ));
+    serve_agent(reaper, &port_path, &port, writer)
+}
+
+/// The initramfs's own /dev, /proc and /sys, and the boot config from the kernel's
+/// command line.
+fn mount_early() -> BootConfig {
     sys::set_umask(0o022);
     mkdir("/dev");
     mkdir("/proc");
@@ -278,8 +304,12 @@ pub fn run_pid1() -> ! {
         sys::mount("sysfs", Path::new("/sys"), "sysfs", 0, ""),
     );
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    let cfg = BootConfig::from_cmdline(&cmdline);
+    BootConfig::from_cmdline(&cmdline)
+}
 
+/// Switches to the root disk and sets the guest up: hostname, provisioning, network,
+/// DNS.
+fn enter_root(cfg: &BootConfig) {
     load_modules();
     if !wait_for(Path::new(ROOT_DEVICE), DEVICE_WAIT) {
         fatal(&format!(
@@ -299,20 +329,10 @@ pub fn run_pid1() -> ! {
     if let Some(dns) = cfg.dns {
         write_resolv_conf(dns);
     }
+}
 
-    let reaper = match Reaper::reap_all() {
-        Ok(r) => r,
-        Err(e) => fatal(&format!("starting the reaper thread: {e}")),
-    };
-    let http_port = cfg.http_port;
-    let envd_reaper = reaper.clone();
-    if let Err(e) = std::thread::Builder::new()
-        .name("envd".into())
-        .spawn(move || serve_envd(http_port, envd_reaper))
-    {
-        say(&format!("starting the HTTP thread failed: {e}"));
-    }
-
+/// The agent's virtio-serial port: its path, a handle to read and one to write.
+fn open_agent_port() -> (PathBuf, std::fs::File, std::fs::File) {
     let Some(port_path) = wait_for_port(PORT_NAME) else {
         fatal(&format!(
             "virtio-serial port {PORT_NAME:?} not found (virtio_console loaded? QEMU \
@@ -332,11 +352,17 @@ pub fn run_pid1() -> ! {
         Ok(w) => w,
         Err(e) => fatal(&format!("duplicating {}: {e}", port_path.display())),
     };
-    say(&format!(
-        "ready in {} ms: agent on {}, HTTP on port {http_port}",
-        started.elapsed().as_millis(),
-        port_path.display()
-    ));
+    (port_path, port, writer)
+}
+
+/// Serves the host's agent protocol on the port for the guest's life, waiting for the
+/// host whenever it is not connected.
+fn serve_agent(
+    reaper: Arc<Reaper>,
+    port_path: &Path,
+    port: &std::fs::File,
+    writer: std::fs::File,
+) -> ! {
     let server = AgentServer::new(reaper, true, Box::new(writer))
         .with_fault_trigger(Path::new(super::FAULT_TRIGGER));
     // Armed on this thread, the one that serves the port.
@@ -359,7 +385,7 @@ pub fn run_pid1() -> ! {
         }
         Err(_) => std::thread::sleep(HOST_REPOLL),
     };
-    server.serve(&port, OnEof::Wait(&wait_for_host));
+    server.serve(port, OnEof::Wait(&wait_for_host));
     fatal("the agent channel loop ended");
 }
 

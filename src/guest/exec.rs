@@ -113,49 +113,18 @@ fn failed(code: i32, message: String, start: Instant) -> ExecResult {
 /// Runs the command and collects its result.
 pub fn run(req: &ExecRequest, reaper: &Arc<Reaper>) -> Result<ExecResult, GuestError> {
     let start = Instant::now();
-    let cwd = if req.cwd.is_empty() { "/" } else { &req.cwd };
-    let cwd_path = Path::new(cwd);
-    if !cwd_path.is_absolute() || !cwd_path.is_dir() {
-        return Err(GuestError::InvalidPath(format!(
-            "working directory {cwd} does not exist in the sandbox or is not a directory"
-        )));
-    }
-    let mut env = req.env.clone();
-    if !env.iter().any(|(k, _)| k == "PATH") {
-        env.push(("PATH".into(), DEFAULT_PATH.into()));
-    }
-    let path_var = env
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "PATH")
-        .map(|(_, v)| v.clone())
-        .unwrap_or_default();
-    let program = match lookup(&req.cmd, &path_var, cwd_path) {
-        Lookup::Found(p) => p,
-        Lookup::NotExecutable(p) => {
-            let msg = format!(
-                "{}: {}: permission denied (not executable)",
-                req.cmd,
-                p.display()
-            );
-            return Ok(failed(126, msg, start));
-        }
-        Lookup::NotFound if req.cmd.contains('/') => {
-            let msg = format!("{}: no such file or directory", req.cmd);
-            return Ok(failed(127, msg, start));
-        }
-        Lookup::NotFound => {
-            let msg = format!("{}: command not found (PATH={path_var})", req.cmd);
-            return Ok(failed(127, msg, start));
-        }
+    let cwd = working_dir(&req.cwd)?;
+    let env = with_default_path(&req.env);
+    let program = match program_of(req, &env, cwd) {
+        Ok(p) => p,
+        Err((code, message)) => return Ok(failed(code, message, start)),
     };
-
     let mut cmd = Command::new(&program);
     cmd.arg0(&req.cmd)
         .args(&req.args)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k, v)))
-        .current_dir(cwd_path)
+        .current_dir(cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -167,72 +136,26 @@ pub fn run(req: &ExecRequest, reaper: &Arc<Reaper>) -> Result<ExecResult, GuestE
                 Some(libc::ENOENT) | Some(libc::ENOTDIR) => 127,
                 Some(_) | None => 126,
             };
-            return Ok(failed(
-                code,
-                format!("cannot execute {}: {e}", req.cmd),
-                start,
-            ));
+            let message = format!("cannot execute {}: {e}", req.cmd);
+            return Ok(failed(code, message, start));
         }
     };
     let pid = child.id() as i32;
-    let mut streams: Vec<Option<File>> = vec![
-        child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
-        child.stderr.take().map(|s| File::from(OwnedFd::from(s))),
-    ];
-    let mut captures = [
-        Capture::new(req.max_output_bytes),
-        Capture::new(req.max_output_bytes),
-    ];
+    let mut output = Output {
+        streams: vec![
+            child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
+            child.stderr.take().map(|s| File::from(OwnedFd::from(s))),
+        ],
+        captures: [
+            Capture::new(req.max_output_bytes),
+            Capture::new(req.max_output_bytes),
+        ],
+        exit_pipe,
+        buf: vec![0u8; 64 * 1024],
+    };
     let deadline = start + Duration::from_millis(req.timeout_ms);
-    let mut timed_out = false;
-    let mut kill_deadline = None;
-    let mut buf = vec![0u8; 64 * 1024];
-
-    loop {
-        let now = Instant::now();
-        if !timed_out && now >= deadline {
-            timed_out = true;
-            if let Err(e) = kill_group(pid, libc::SIGKILL) {
-                log::warn!("timeout kill of pid={pid} failed: {e}");
-            }
-            kill_deadline = Some(now + KILL_WAIT);
-        }
-        let wait = match kill_deadline {
-            Some(k) if now >= k => {
-                return Err(GuestError::Io(format!(
-                    "command {} (pid {pid}) did not die after SIGKILL",
-                    req.cmd
-                )))
-            }
-            Some(k) => k - now,
-            None => deadline - now,
-        };
-        let (exited, _) = pump(
-            &mut streams,
-            &mut captures,
-            &exit_pipe,
-            Some(wait),
-            &mut buf,
-        )?;
-        if exited {
-            break;
-        }
-    }
-    // The child is gone; take what is already in the pipes, but do not wait for
-    // descendants that may still hold them open.
-    let drain_end = Instant::now() + DRAIN_LIMIT;
-    while Instant::now() < drain_end && streams.iter().any(Option::is_some) {
-        let (_, progressed) = pump(
-            &mut streams,
-            &mut captures,
-            &exit_pipe,
-            Some(Duration::ZERO),
-            &mut buf,
-        )?;
-        if !progressed {
-            break;
-        }
-    }
+    let timed_out = output.until_exit(pid, deadline, &req.cmd)?;
+    output.drain()?;
     let status = reaper.take_status(pid);
     let exit_code = match (timed_out, status) {
         (true, _) => 137,
@@ -240,7 +163,7 @@ pub fn run(req: &ExecRequest, reaper: &Arc<Reaper>) -> Result<ExecResult, GuestE
         (false, Some(ExitStatus::Signaled(s))) => 128 + s,
         (false, None) => return Err(GuestError::Io(format!("exit status of pid {pid} was lost"))),
     };
-    let [out, err] = captures;
+    let [out, err] = output.captures;
     Ok(ExecResult {
         exit_code,
         stdout: out.text(),
@@ -250,6 +173,121 @@ pub fn run(req: &ExecRequest, reaper: &Arc<Reaper>) -> Result<ExecResult, GuestE
         stderr_truncated: err.truncated,
         duration_ms: start.elapsed().as_millis() as u64,
     })
+}
+
+/// The command's working directory (`/` when none is given): absolute and existing.
+fn working_dir(cwd: &str) -> Result<&Path, GuestError> {
+    let cwd = if cwd.is_empty() { "/" } else { cwd };
+    let path = Path::new(cwd);
+    if !path.is_absolute() || !path.is_dir() {
+        return Err(GuestError::InvalidPath(format!(
+            "working directory {cwd} does not exist in the sandbox or is not a directory"
+        )));
+    }
+    Ok(path)
+}
+
+/// `env` with [`DEFAULT_PATH`] added when it sets no `PATH`.
+fn with_default_path(env: &[(String, String)]) -> Vec<(String, String)> {
+    let mut env = env.to_vec();
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), DEFAULT_PATH.into()));
+    }
+    env
+}
+
+/// The program to run, as a shell finds it; else the exit code and message a shell
+/// would give (126 not executable, 127 not found).
+fn program_of(
+    req: &ExecRequest,
+    env: &[(String, String)],
+    cwd: &Path,
+) -> Result<PathBuf, (i32, String)> {
+    let path_var = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    match lookup(&req.cmd, &path_var, cwd) {
+        Lookup::Found(p) => Ok(p),
+        Lookup::NotExecutable(p) => Err((
+            126,
+            format!(
+                "{}: {}: permission denied (not executable)",
+                req.cmd,
+                p.display()
+            ),
+        )),
+        Lookup::NotFound if req.cmd.contains('/') => {
+            Err((127, format!("{}: no such file or directory", req.cmd)))
+        }
+        Lookup::NotFound => Err((
+            127,
+            format!("{}: command not found (PATH={path_var})", req.cmd),
+        )),
+    }
+}
+
+/// A running command's stdout and stderr, captured up to their limits.
+struct Output {
+    streams: Vec<Option<File>>,
+    captures: [Capture; 2],
+    exit_pipe: std::io::PipeReader,
+    buf: Vec<u8>,
+}
+
+impl Output {
+    /// Captures output until the child exits; at `deadline` its process group is
+    /// SIGKILLed. Returns whether it timed out.
+    fn until_exit(&mut self, pid: i32, deadline: Instant, cmd: &str) -> Result<bool, GuestError> {
+        let mut timed_out = false;
+        let mut kill_deadline = None;
+        loop {
+            let now = Instant::now();
+            if !timed_out && now >= deadline {
+                timed_out = true;
+                if let Err(e) = kill_group(pid, libc::SIGKILL) {
+                    log::warn!("timeout kill of pid={pid} failed: {e}");
+                }
+                kill_deadline = Some(now + KILL_WAIT);
+            }
+            let wait = match kill_deadline {
+                Some(k) if now >= k => {
+                    return Err(GuestError::Io(format!(
+                        "command {cmd} (pid {pid}) did not die after SIGKILL"
+                    )))
+                }
+                Some(k) => k - now,
+                None => deadline - now,
+            };
+            if self.pump(Some(wait))?.0 {
+                return Ok(timed_out);
+            }
+        }
+    }
+
+    /// The child is gone: takes what is already in the pipes, but does not wait for
+    /// descendants that may still hold them open.
+    fn drain(&mut self) -> Result<(), GuestError> {
+        let drain_end = Instant::now() + DRAIN_LIMIT;
+        while Instant::now() < drain_end && self.streams.iter().any(Option::is_some) {
+            if !self.pump(Some(Duration::ZERO))?.1 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn pump(&mut self, wait: Option<Duration>) -> Result<(bool, bool), GuestError> {
+        pump(
+            &mut self.streams,
+            &mut self.captures,
+            &self.exit_pipe,
+            wait,
+            &mut self.buf,
+        )
+    }
 }
 
 /// Waits up to `wait` for output or the child's exit and reads what is ready. Returns

@@ -503,15 +503,7 @@ fn spawn(
             cwd.display()
         )));
     }
-    let defaults = envd.defaults();
-    let mut env = BTreeMap::new();
-    env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
-    env.insert("HOME".into(), user.home.to_string_lossy().into_owned());
-    env.insert("USER".into(), user.name.clone());
-    env.insert("LOGNAME".into(), user.name.clone());
-    env.insert("E2B_SANDBOX".into(), "true".into());
-    env.extend(defaults.env);
-    env.extend(config.envs.clone());
+    let env = process_env(envd, &user, &config);
     let starting = |e: &dyn std::fmt::Display| {
         RpcError::invalid(format!("error starting process '{}': {e}", config.cmd))
     };
@@ -535,54 +527,30 @@ fn spawn(
         let groups = envd.accounts.groups_of(&user);
         sys::switch_user_on_spawn(&mut cmd, user.uid, user.gid, groups);
     }
-    let internal =
-        |what: &str, e: &dyn std::fmt::Display| RpcError::internal(format!("{what}: {e}"));
-    let mut pty = None;
-    let mut pty_reader = None;
-    if let Some(p) = req.pty {
-        let (rows, cols) = p.size.unwrap_or_default().rows_cols();
-        let (master, slave) =
-            sys::open_pty(rows, cols).map_err(|e| internal("opening a PTY", &e))?;
-        let slave = File::from(slave);
-        let dup = |f: &File| {
-            f.try_clone()
-                .map_err(|e| internal("duplicating the PTY", &e))
-        };
-        cmd.stdin(dup(&slave)?).stdout(dup(&slave)?).stderr(slave);
-        sys::controlling_terminal_on_spawn(&mut cmd);
-        let master = File::from(master);
-        pty_reader = Some(dup(&master)?);
-        pty = Some(master);
-    } else {
-        let stdin = if req.stdin.unwrap_or(true) {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        };
-        cmd.stdin(stdin)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-    }
-    let (mut child, exit_pipe) = envd.reaper.spawn(&mut cmd).map_err(|e| starting(&e))?;
+    let pty = match req.pty {
+        Some(p) => Some(attach_pty(
+            &mut cmd,
+            p.size.unwrap_or_default().rows_cols(),
+        )?),
+        None => {
+            let stdin = if req.stdin.unwrap_or(true) {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            };
+            cmd.stdin(stdin)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            None
+        }
+    };
+    let (child, exit_pipe) = envd.reaper.spawn(&mut cmd).map_err(|e| starting(&e))?;
     // The command holds the parent's copies of the PTY slave: close them, or the PTY
     // never reports the end of the session.
     drop(cmd);
-    let pid = child.id();
-    let outputs: Vec<(Output, Option<File>)> = match pty_reader {
-        Some(r) => vec![(Output::Pty, Some(r))],
-        None => vec![
-            (
-                Output::Stdout,
-                child.stdout.take().map(|s| File::from(OwnedFd::from(s))),
-            ),
-            (
-                Output::Stderr,
-                child.stderr.take().map(|s| File::from(OwnedFd::from(s))),
-            ),
-        ],
-    };
-    let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+    let (pty, pty_reader) = pty.unzip();
+    let (pid, stdin, outputs) = take_pipes(child, pty_reader);
     for f in stdin.iter().chain(pty.iter()) {
         if let Err(e) = sys::set_nonblocking(f.as_fd()) {
             log::warn!("envd process pid={pid}: input stays blocking: {e}");
@@ -612,10 +580,69 @@ fn spawn(
     Ok((proc, first))
 }
 
+fn internal(what: &str, e: &dyn std::fmt::Display) -> RpcError {
+    RpcError::internal(format!("{what}: {e}"))
+}
+
+/// What a process starts with: a login's basics, then the sandbox's defaults, then the
+/// request's own (later wins).
+fn process_env(
+    envd: &Envd,
+    user: &super::User,
+    config: &ProcessConfig,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
+    env.insert("HOME".into(), user.home.to_string_lossy().into_owned());
+    env.insert("USER".into(), user.name.clone());
+    env.insert("LOGNAME".into(), user.name.clone());
+    env.insert("E2B_SANDBOX".into(), "true".into());
+    env.extend(envd.defaults().env);
+    env.extend(config.envs.clone());
+    env
+}
+
+/// Gives the command a new PTY of `rows` x `cols` as its controlling terminal and its
+/// stdio; returns the master and a second handle on it for the output thread.
+fn attach_pty(cmd: &mut Command, (rows, cols): (u16, u16)) -> Result<(File, File), RpcError> {
+    let (master, slave) = sys::open_pty(rows, cols).map_err(|e| internal("opening a PTY", &e))?;
+    let slave = File::from(slave);
+    let dup = |f: &File| {
+        f.try_clone()
+            .map_err(|e| internal("duplicating the PTY", &e))
+    };
+    cmd.stdin(dup(&slave)?).stdout(dup(&slave)?).stderr(slave);
+    sys::controlling_terminal_on_spawn(cmd);
+    let master = File::from(master);
+    let reader = dup(&master)?;
+    Ok((master, reader))
+}
+
+/// The streams the output thread reads, each with its kind.
+type Outputs = Vec<(Output, Option<File>)>;
+
+/// The child's pid, its stdin pipe, and the outputs the output thread reads (the PTY's
+/// master, or stdout and stderr).
+fn take_pipes(
+    mut child: std::process::Child,
+    pty_reader: Option<File>,
+) -> (u32, Option<File>, Outputs) {
+    let file = |fd: OwnedFd| File::from(fd);
+    let outputs = match pty_reader {
+        Some(r) => vec![(Output::Pty, Some(r))],
+        None => vec![
+            (Output::Stdout, child.stdout.take().map(|s| file(s.into()))),
+            (Output::Stderr, child.stderr.take().map(|s| file(s.into()))),
+        ],
+    };
+    let stdin = child.stdin.take().map(|s| file(s.into()));
+    (child.id(), stdin, outputs)
+}
+
 /// The output thread of one process (see the module docs).
 fn pump(
     proc: &Proc,
-    mut outputs: Vec<(Output, Option<File>)>,
+    mut outputs: Outputs,
     exit_pipe: &PipeReader,
     deadline: Option<Instant>,
     reaper: &Reaper,
