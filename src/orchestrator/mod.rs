@@ -778,6 +778,12 @@ impl Orchestrator {
         })
     }
 
+    /// Sends the guest of sandbox `id` at `addr` its `/init` (the env of `target`) unless
+    /// VM `target.instance` already got it; blocks up to 10 s on the guest.
+    pub fn init_guest(&self, id: &str, target: &EnvdTarget, addr: std::net::SocketAddr) {
+        envd::init_guest(&self.shared.registry, id, target, addr)
+    }
+
     /// Whether VM `instance` still runs sandbox `id`.
     pub fn envd_instance_alive(&self, id: &str, instance: u64) -> bool {
         envd::instance_alive(&self.shared.registry, id, instance)
