@@ -268,7 +268,7 @@ pub enum Op {
     /// Replace the slot's egress chain (`PUT …/network`); the VM runs on untouched.
     SetEgress {
         rules: crate::net::EgressRules,
-        reply: Sender<Result<(), String>>,
+        reply: Sender<Result<(), super::OrchError>>,
     },
     /// The slot's egress counters (network.md §5.8), for the metrics sampler; `None`
     /// without a slot or when they cannot be read.

@@ -227,7 +227,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
                 vm.kill();
             }
             launcher.net.release(slot);
-            return Err(e.into());
+            return Err(OrchError::net("applying the slot's outbound rules", e));
         }
     }
     let (host_ip, netns_path) = (slot.host_ip(), slot.netns_path().to_path_buf());
