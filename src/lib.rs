@@ -3,7 +3,8 @@
 //!
 //! Data flows one way: `api` → `orchestrator` → `vm` / `net` / `hooks` / `store` /
 //! `image` → `sys`. `agent` is the host↔guest protocol shared with the in-guest agent
-//! (`guest`, built into the `agentenv-agent` binary).
+//! (`guest`, built into the `agentenv-agent` binary); `protocol` holds the wire protocols
+//! that the guest, the envd proxy and the CLI share (the Connect codec).
 
 pub mod agent;
 pub mod api;
@@ -17,6 +18,7 @@ pub mod image;
 pub mod net;
 pub mod orchestrator;
 pub mod preflight;
+pub mod protocol;
 pub mod server;
 pub mod store;
 pub mod sys;

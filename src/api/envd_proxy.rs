@@ -52,8 +52,6 @@ use tiny_http::{Header, Request, Response, StatusCode};
 const MAX_STREAMS: usize = 512;
 /// Proxied exchanges in flight at once for one sandbox.
 const MAX_STREAMS_PER_SANDBOX: usize = 64;
-/// How long `/init` may take.
-const INIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Slack over a request's own `Connect-Timeout-Ms` before the proxy gives up on a quiet
 /// guest.
 const DEADLINE_SLACK: Duration = Duration::from_secs(30);
@@ -89,8 +87,6 @@ pub struct EnvdProxy {
     threads: AtomicUsize,
     /// Open exchanges per sandbox.
     open: Mutex<HashMap<String, usize>>,
-    /// Per sandbox, the VM instance whose guest got `/init`.
-    initialized: Mutex<HashMap<String, u64>>,
 }
 
 /// One open exchange of a sandbox; gives its place back on drop.
@@ -122,7 +118,6 @@ impl EnvdProxy {
             tunnel_idle,
             threads: AtomicUsize::new(0),
             open: Mutex::new(HashMap::new()),
-            initialized: Mutex::new(HashMap::new()),
         }
     }
 
@@ -199,7 +194,6 @@ impl EnvdProxy {
                 return answer_error(request, &e);
             }
             EnvdRoute::NotRunning { .. } | EnvdRoute::Unknown => {
-                self.initialized.lock().remove(&dest.sandbox);
                 return answer_error(request, &not_found(&dest.sandbox));
             }
         };
@@ -267,7 +261,7 @@ impl EnvdProxy {
     fn forward(&self, request: Request, dest: &Destination, target: &EnvdTarget) {
         let addr = SocketAddr::V4(SocketAddrV4::new(target.host_ip, dest.port));
         if dest.port == self.agent_port {
-            self.init_once(&dest.sandbox, target, addr);
+            self.orchestrator.init_guest(&dest.sandbox, target, addr);
         }
         let orchestrator = self.orchestrator.clone();
         let (sandbox, instance) = (dest.sandbox.clone(), target.instance);
@@ -305,40 +299,6 @@ impl EnvdProxy {
                 "sandboxId={} op=envd method={method} path={path} error=\"{e}\"",
                 dest.sandbox
             ),
-        }
-    }
-
-    /// `POST /init` with the sandbox's env, once per VM instance. A guest that has no
-    /// `/init` (404) is not asked again; one that failed is asked on the next request.
-    pub(super) fn init_once(&self, sandbox: &str, target: &EnvdTarget, addr: SocketAddr) {
-        if self.initialized.lock().get(sandbox) == Some(&target.instance) {
-            return;
-        }
-        let env: serde_json::Map<String, serde_json::Value> = target
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-            .collect();
-        let body = serde_json::json!({ "envVars": env }).to_string();
-        let result = envd::call(
-            addr,
-            "POST",
-            "/init",
-            "application/json",
-            body.as_bytes(),
-            INIT_TIMEOUT,
-        );
-        match result {
-            Ok((status, _)) if (200..300).contains(&status) || status == 404 => {
-                self.initialized
-                    .lock()
-                    .insert(sandbox.to_string(), target.instance);
-            }
-            Ok((status, body)) => log::warn!(
-                "sandboxId={sandbox} op=envd_init status={status} body={:?}",
-                String::from_utf8_lossy(&body)
-            ),
-            Err(e) => log::warn!("sandboxId={sandbox} op=envd_init error=\"{e}\""),
         }
     }
 }

@@ -220,7 +220,6 @@ impl ApiServer {
         ));
         let terminals = Arc::new(console::terminal::Terminals::new(
             ctx.orchestrator.clone(),
-            envd.clone(),
             ctx.api_key.clone(),
         ));
         let sampler = ctx.history.start(Arc::downgrade(&ctx.orchestrator));

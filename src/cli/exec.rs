@@ -9,7 +9,7 @@
 //! before the command exists keep the client's codes (docs/cli.md §3).
 
 use super::client::{self, CliError, Client};
-use crate::guest::envd::connect::{self, FLAG_END_STREAM};
+use crate::protocol::connect::{self, FLAG_END_STREAM};
 use serde_json::{json, Map, Value};
 use std::io::{Read, Write};
 

@@ -4,16 +4,23 @@
 //! their access behind for a while, so that a client holding a token learns "was not
 //! found" (E2B's answer for a sandbox that is gone) while a client without one learns
 //! nothing.
+//!
+//! And the guest's `/init` ([`init_guest`]): envd's environment for a VM instance, sent
+//! once per instance before the first call through the proxy or the console's terminal,
+//! on the caller's thread; the entry remembers which instance got it.
 
 use super::registry::Registry;
 use super::sandbox::{SandboxEntry, SandboxInfo, SandboxState};
 use super::settings::Ingress;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
 
 /// How many deleted sandboxes keep their token (memory only; a restart forgets them).
 const GONE_CAPACITY: usize = 4096;
+/// How long `/init` may take.
+const INIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A sandbox as the envd proxy sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,9 +151,97 @@ pub(crate) fn instance_alive(registry: &Registry, id: &str, instance: u64) -> bo
     )
 }
 
+/// `POST /init` with the sandbox's env to its guest at `addr`, once per VM instance. A
+/// guest that has no `/init` (404) is not asked again; one that failed (logged) is asked
+/// on the next call. A sandbox gone meanwhile is not asked.
+pub(crate) fn init_guest(registry: &Registry, id: &str, target: &EnvdTarget, addr: SocketAddr) {
+    let Ok(entry) = registry.entry(id) else {
+        return;
+    };
+    if entry.guest_initialized(target.instance) {
+        return;
+    }
+    let env: serde_json::Map<String, serde_json::Value> = target
+        .env
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
+    let body = serde_json::json!({ "envVars": env }).to_string();
+    let result = crate::envd::call(
+        addr,
+        "POST",
+        "/init",
+        "application/json",
+        body.as_bytes(),
+        INIT_TIMEOUT,
+    );
+    match result {
+        Ok((status, _)) if (200..300).contains(&status) || status == 404 => {
+            entry.set_guest_initialized(target.instance);
+        }
+        Ok((status, body)) => log::warn!(
+            "sandboxId={id} op=envd_init status={status} body={:?}",
+            String::from_utf8_lossy(&body)
+        ),
+        Err(e) => log::warn!("sandboxId={id} op=envd_init error=\"{e}\""),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    /// A guest that answers `/init` with `statuses`, one per request, and reports each
+    /// request's path and body.
+    fn guest(statuses: Vec<u16>) -> (SocketAddr, crossbeam_channel::Receiver<(String, String)>) {
+        let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+        let addr = server.server_addr().to_ip().unwrap();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        std::thread::spawn(move || {
+            for status in statuses {
+                let mut request = server.recv().unwrap();
+                let mut body = String::new();
+                std::io::Read::read_to_string(request.as_reader(), &mut body).unwrap();
+                tx.send((request.url().to_string(), body)).unwrap();
+                let _ = request.respond(tiny_http::Response::empty(status));
+            }
+        });
+        (addr, rx)
+    }
+
+    #[test]
+    fn init_goes_once_per_instance_and_again_after_a_failure() {
+        let registry = Registry::new("/nowhere".into(), HashMap::new());
+        let info = super::super::fakes::info("s1", SandboxState::Running);
+        registry.insert(Arc::new(SandboxEntry::new(info.clone(), None)));
+        let entry = registry.entry("s1").unwrap();
+        let (addr, asked) = guest(vec![500, 200, 404]);
+        let target = |instance| EnvdTarget {
+            access: Access::of(&info),
+            host_ip: Ipv4Addr::LOCALHOST,
+            instance,
+            env: vec![("A".into(), "1".into())],
+        };
+        init_guest(&registry, "s1", &target(7), addr);
+        assert!(!entry.guest_initialized(7), "a 500 is asked again");
+        init_guest(&registry, "s1", &target(7), addr);
+        assert!(entry.guest_initialized(7));
+        init_guest(&registry, "s1", &target(7), addr);
+        init_guest(&registry, "unknown", &target(9), addr);
+        init_guest(&registry, "s1", &target(8), addr);
+        assert!(
+            entry.guest_initialized(8),
+            "a guest without /init (404) is not asked again"
+        );
+        assert!(!entry.guest_initialized(7));
+        let requests: Vec<_> = asked.iter().collect();
+        assert_eq!(requests.len(), 3, "{requests:?}");
+        for (path, body) in requests {
+            assert_eq!(path, "/init");
+            assert_eq!(body, r#"{"envVars":{"A":"1"}}"#);
+        }
+    }
 
     #[test]
     fn gone_tokens_are_bounded_oldest_first() {

@@ -2,10 +2,13 @@
 //! Module errors nest through `From`; [`OrchError::status`] is the one place that knows
 //! which HTTP status each variant is.
 
+use crate::agent::AgentError;
 use crate::hooks::HookError;
+use crate::net::NetError;
 use crate::store::StoreError;
-use crate::vm::VmError;
+use crate::vm::{VmError, VmExit};
 use std::fmt;
+use std::io;
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
@@ -31,6 +34,26 @@ pub enum OrchError {
         during: &'static str,
         source: Arc<VmError>,
     },
+    /// A host call (a thread, a namespace file) failed (500); `during` says what could
+    /// not be done and starts the message.
+    Host {
+        during: &'static str,
+        source: Arc<io::Error>,
+    },
+    /// The network layer failed (500; no free slot is [`OrchError::Unavailable`]);
+    /// `during` says which step.
+    Net {
+        during: &'static str,
+        source: Arc<NetError>,
+    },
+    /// The VM started but its guest agent never answered; the VM was torn down (500).
+    GuestNotReady(NotReady),
+    /// The sandbox is paused (resumable from memory), but its record could not be saved,
+    /// so a restart would not find it paused (500).
+    PausedUnrecorded { id: String, source: Box<OrchError> },
+    /// An operation failed and left the VM unable to run on: the sandbox was removed and
+    /// its disk quarantined (500).
+    RemovedAfter { id: String, source: Box<OrchError> },
     /// A durable record or directory in the state dir could not be written (500).
     Store(Arc<StoreError>),
     /// The custom extension: disabled 400, a failed hook 502, its journal 500.
@@ -44,6 +67,24 @@ pub enum OrchError {
     },
 }
 
+/// Why a guest agent did not become ready after its VM started.
+#[derive(Debug, Clone)]
+pub enum NotReady {
+    /// The VM process ended during boot.
+    Exited(VmExit),
+    /// No answer within `secs`.
+    Silent { secs: u64, source: Arc<AgentError> },
+}
+
+impl fmt::Display for NotReady {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotReady::Exited(status) => write!(f, "the VM exited during boot ({status})"),
+            NotReady::Silent { secs, source } => write!(f, "no answer within {secs}s: {source}"),
+        }
+    }
+}
+
 impl OrchError {
     /// The HTTP status this error answers with.
     pub fn status(&self) -> u16 {
@@ -54,7 +95,14 @@ impl OrchError {
             OrchError::TooMany(_) => 429,
             OrchError::Upstream(_) => 502,
             OrchError::Unavailable(_) => 503,
-            OrchError::Internal(_) | OrchError::Vm { .. } | OrchError::Store(_) => 500,
+            OrchError::Internal(_)
+            | OrchError::Vm { .. }
+            | OrchError::Host { .. }
+            | OrchError::Net { .. }
+            | OrchError::GuestNotReady(_)
+            | OrchError::PausedUnrecorded { .. }
+            | OrchError::RemovedAfter { .. }
+            | OrchError::Store(_) => 500,
             OrchError::InsufficientStorage(_) => 507,
             OrchError::Hook(HookError::Disabled) => 400,
             OrchError::Hook(HookError::Failed { .. }) => 502,
@@ -75,6 +123,25 @@ impl OrchError {
         OrchError::Vm {
             during,
             source: Arc::new(source),
+        }
+    }
+
+    /// A host call's failure.
+    pub fn host(during: &'static str, source: io::Error) -> OrchError {
+        OrchError::Host {
+            during,
+            source: Arc::new(source),
+        }
+    }
+
+    /// A network failure: no free slot is capacity (503), anything else [`OrchError::Net`].
+    pub fn net(during: &'static str, source: NetError) -> OrchError {
+        match source {
+            NetError::NoFreeSlot { .. } => OrchError::Unavailable(source.to_string()),
+            other => OrchError::Net {
+                during,
+                source: Arc::new(other),
+            },
         }
     }
 
@@ -101,6 +168,23 @@ impl fmt::Display for OrchError {
             | OrchError::Internal(m)
             | OrchError::InsufficientStorage(m) => f.write_str(m),
             OrchError::Vm { during, source } => write!(f, "{during}: {source}"),
+            OrchError::Host { during, source } => write!(f, "{during}: {source}"),
+            OrchError::Net { during, source } => write!(f, "{during}: {source}"),
+            OrchError::GuestNotReady(why) => write!(
+                f,
+                "guest agent did not become ready: {why}; the console log's last lines are in \
+                 the server log"
+            ),
+            OrchError::PausedUnrecorded { id, source } => write!(
+                f,
+                "sandbox {id} is paused, but its record could not be saved ({source}); it can \
+                 be resumed, but a server restart would not bring it back as paused"
+            ),
+            OrchError::RemovedAfter { id, source } => write!(
+                f,
+                "{source}; the VM could not run on and sandbox {id} was removed; its disk is \
+                 kept for the operator (see the server log)"
+            ),
             OrchError::Store(e) => write!(f, "{e}"),
             OrchError::Hook(e) => write!(f, "{e}"),
             OrchError::Upload(e) => write!(f, "{e}"),
@@ -168,17 +252,16 @@ impl From<crate::volume::VolumeError> for OrchError {
     }
 }
 
-impl From<crate::net::NetError> for OrchError {
-    fn from(e: crate::net::NetError) -> OrchError {
-        match e {
-            crate::net::NetError::NoFreeSlot { .. } => OrchError::Unavailable(e.to_string()),
-            other => OrchError::Internal(other.to_string()),
-        }
+/// The one `?` on a network call is taking a slot; other steps name themselves with
+/// [`OrchError::net`].
+impl From<NetError> for OrchError {
+    fn from(e: NetError) -> OrchError {
+        OrchError::net("taking a network slot", e)
     }
 }
 
-impl From<crate::agent::AgentError> for OrchError {
-    fn from(e: crate::agent::AgentError) -> OrchError {
+impl From<AgentError> for OrchError {
+    fn from(e: AgentError) -> OrchError {
         use crate::agent::AgentError as A;
         match e {
             A::NotFound(m) => OrchError::NotFound(m),
@@ -201,5 +284,63 @@ mod tests {
         let vm = OrchError::vm("pause failed", VmError::InvalidSpec("no disk".into()));
         assert_eq!(vm.status(), 500);
         assert_eq!(vm.message(), "pause failed: invalid VM spec: no disk");
+    }
+
+    #[test]
+    fn typed_failures_answer_500_with_what_an_operator_needs() {
+        let io = || io::Error::from_raw_os_error(libc::EAGAIN);
+        let host = OrchError::host("cannot start supervisor thread", io());
+        assert_eq!(host.status(), 500);
+        assert!(host
+            .message()
+            .starts_with("cannot start supervisor thread: Resource temporarily unavailable"));
+        let net = OrchError::net("applying the slot's outbound rules", NetError::ShuttingDown);
+        assert_eq!(net.status(), 500);
+        assert_eq!(
+            net.message(),
+            "applying the slot's outbound rules: the network slot manager is shutting down"
+        );
+        let full = OrchError::from(NetError::NoFreeSlot { max_slots: 2 });
+        assert_eq!(full.status(), 503);
+        assert_eq!(full.message(), "no free network slot (max_slots=2)");
+        let exited = OrchError::GuestNotReady(NotReady::Exited(VmExit::Code(1)));
+        assert_eq!(exited.status(), 500);
+        assert_eq!(
+            exited.message(),
+            "guest agent did not become ready: the VM exited during boot (exited with status \
+             1); the console log's last lines are in the server log"
+        );
+        let silent = OrchError::GuestNotReady(NotReady::Silent {
+            secs: 30,
+            source: Arc::new(AgentError::Unreachable("refused".into())),
+        });
+        assert!(silent
+            .message()
+            .starts_with("guest agent did not become ready: no answer within 30s: "));
+        let store = || Box::new(OrchError::Internal("disk gone".into()));
+        let paused = OrchError::PausedUnrecorded {
+            id: "sb".into(),
+            source: store(),
+        };
+        assert_eq!(paused.status(), 500);
+        assert_eq!(
+            paused.message(),
+            "sandbox sb is paused, but its record could not be saved (disk gone); it can be \
+             resumed, but a server restart would not bring it back as paused"
+        );
+        let removed = OrchError::RemovedAfter {
+            id: "sb".into(),
+            source: Box::new(OrchError::Conflict("x".into())),
+        };
+        assert_eq!(
+            removed.status(),
+            500,
+            "whatever the cause, the sandbox is gone"
+        );
+        assert_eq!(
+            removed.message(),
+            "x; the VM could not run on and sandbox sb was removed; its disk is kept for the \
+             operator (see the server log)"
+        );
     }
 }

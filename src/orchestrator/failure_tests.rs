@@ -214,7 +214,8 @@ fn a_slot_whose_outbound_rule_fails_is_released_before_any_hook() {
     let rig = Rig::new();
     *rig.net.host.fail_at.lock() = Some("load_slot_ruleset");
     let e = rig.failed_start(rig.request("sb-1", false), &[]);
-    assert!(matches!(e, OrchError::Internal(_)), "{e:?}");
+    assert!(matches!(e, OrchError::Net { .. }), "{e:?}");
+    assert_eq!(e.status(), 500);
 }
 
 #[test]
@@ -266,6 +267,11 @@ fn a_guest_whose_agent_never_answers_is_killed_and_rolled_back() {
     });
     let e = rig.failed_start(rig.request("sb-1", true), &STOPPED);
     assert!(e.to_string().contains("did not become ready"), "{e}");
+    assert!(
+        matches!(e, OrchError::GuestNotReady(super::NotReady::Silent { .. })),
+        "{e:?}"
+    );
+    assert_eq!(e.status(), 500);
     assert_eq!(rig.vms.boots.load(Ordering::SeqCst), 1);
 }
 

@@ -46,7 +46,7 @@ mod wake;
 pub use build_files::UploadError;
 pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
-pub use error::OrchError;
+pub use error::{NotReady, OrchError};
 pub use request::{ConnectKind, CreateFrom, ExpiryChange, Request, Response};
 pub use sandbox::{Call, SandboxInfo, SandboxState};
 pub use settings::{
@@ -401,11 +401,12 @@ impl Orchestrator {
                 rules: policy.rules(),
                 reply,
             };
-            let applied = match rt.ops.send(op) {
-                Ok(()) => done.recv().unwrap_or_else(|_| Err("the VM is gone".into())),
-                Err(_) => Err("the VM is gone".into()),
-            };
-            applied.map_err(|e| OrchError::Internal(format!("applying the egress policy: {e}")))?;
+            let gone =
+                || OrchError::Internal(format!("{}: the VM is gone", supervisor::EGRESS_STEP));
+            match rt.ops.send(op) {
+                Ok(()) => done.recv().unwrap_or_else(|_| Err(gone()))?,
+                Err(_) => return Err(gone()),
+            }
         }
         let info = {
             entry.update(|info| {
@@ -776,6 +777,12 @@ impl Orchestrator {
         self.on_state_disk(DiskUse::Resume, || {
             wake::route_waking(&shared.registry, &shared.launcher, id, wait)
         })
+    }
+
+    /// Sends the guest of sandbox `id` at `addr` its `/init` (the env of `target`) unless
+    /// VM `target.instance` already got it; blocks up to 10 s on the guest.
+    pub fn init_guest(&self, id: &str, target: &EnvdTarget, addr: std::net::SocketAddr) {
+        envd::init_guest(&self.shared.registry, id, target, addr)
     }
 
     /// Whether VM `instance` still runs sandbox `id`.

@@ -252,10 +252,10 @@ pub(crate) fn pause(
             log::error!(
                 "sandboxId={id} op=pause result=paused_uncommitted reason={reason} error=\"{e}\""
             );
-            Err(OrchError::Internal(format!(
-                "sandbox {id} is paused, but its record could not be saved ({e}); it can be \
-                 resumed, but a server restart would not bring it back as paused"
-            )))
+            Err(OrchError::PausedUnrecorded {
+                id: id.to_string(),
+                source: Box::new(e),
+            })
         }
         PauseOutcome::RanOn(e) => {
             entry.set_state(SandboxState::Running)?;
@@ -294,10 +294,10 @@ fn remove_stopped(
     let kept = crate::store::quarantine(records::state_dir_of(&dir), &dir, &why);
     let kept = kept.as_deref().unwrap_or(&dir).display();
     log::error!("sandboxId={id} op={op} result=stopped kept={kept} error=\"{e}\"");
-    OrchError::Internal(format!(
-        "{e}; the VM could not run on and sandbox {id} was removed; its disk is kept for \
-         the operator (see the server log)"
-    ))
+    OrchError::RemovedAfter {
+        id: id.to_string(),
+        source: Box::new(e),
+    }
 }
 
 /// The capture a just-committed record holds.

@@ -268,7 +268,7 @@ pub enum Op {
     /// Replace the slot's egress chain (`PUT …/network`); the VM runs on untouched.
     SetEgress {
         rules: crate::net::EgressRules,
-        reply: Sender<Result<(), String>>,
+        reply: Sender<Result<(), super::OrchError>>,
     },
     /// The slot's egress counters (network.md §5.8), for the metrics sampler; `None`
     /// without a slot or when they cannot be read.
@@ -332,6 +332,9 @@ pub struct SandboxEntry {
     /// wait on it.
     waking: AtomicBool,
     wake_error: Mutex<Option<super::OrchError>>,
+    /// The VM instance ([`RuntimeHandle::instance`], never 0) whose guest got `/init`;
+    /// 0 while none has.
+    guest_init: AtomicU64,
     /// patch-params calls in flight; pause, delete and snapshot wait for them (custom-extension.md §6.4).
     patches: Mutex<u32>,
     patches_done: Condvar,
@@ -351,6 +354,7 @@ impl SandboxEntry {
             running_commands: AtomicU32::new(0),
             waking: AtomicBool::new(false),
             wake_error: Mutex::new(None),
+            guest_init: AtomicU64::new(0),
             patches: Mutex::new(0),
             patches_done: Condvar::new(),
             metrics: Default::default(),
@@ -438,6 +442,16 @@ impl SandboxEntry {
     /// The last auto-resume's failure.
     pub fn wake_error(&self) -> Option<super::OrchError> {
         self.wake_error.lock().clone()
+    }
+
+    /// Whether the guest of VM `instance` got its `/init` ([`super::envd::init_guest`]).
+    pub fn guest_initialized(&self, instance: u64) -> bool {
+        self.guest_init.load(Ordering::Acquire) == instance
+    }
+
+    /// Records that the guest of VM `instance` got its `/init`.
+    pub fn set_guest_initialized(&self, instance: u64) {
+        self.guest_init.store(instance, Ordering::Release);
     }
 
     /// Counts a PATCH in flight if the sandbox is running; `false` otherwise (409).

@@ -467,9 +467,10 @@ fn make(
             .machines
             .standby(record, spec)
             .map_err(|e| OrchError::vm("starting a standby", e)),
-        Err(e) => Err(OrchError::Internal(format!(
-            "cannot open the slot's network namespace: {e}"
-        ))),
+        Err(e) => Err(OrchError::host(
+            "cannot open the slot's network namespace",
+            e,
+        )),
     };
     match vm {
         Ok(vm) => Ok(Claimed {

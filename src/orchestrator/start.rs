@@ -207,7 +207,7 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
             vm.kill();
         }
         launcher.net.release(slot);
-        return Err(e.into());
+        return Err(OrchError::net("applying the slot's outbound rules", e));
     }
     let context = start_context(&id, &slot, &params);
     let placed = Placed {

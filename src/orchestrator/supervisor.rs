@@ -8,7 +8,7 @@ use super::sandbox::{IoErrorPause, Op};
 use super::settings::{PauseMode, PauseRequest};
 use super::sides::Machine;
 use super::start::Launcher;
-use super::OrchError;
+use super::{NotReady, OrchError};
 use crate::agent::AgentClient;
 use crate::hooks::{HookError, Instance, StopReason};
 use crate::net::Slot;
@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// What a failed `Op::SetEgress` says it was doing.
+pub(crate) const EGRESS_STEP: &str = "applying the egress policy";
 /// How often an idle supervisor checks that its VM is still alive.
 const VM_WATCH_INTERVAL: Duration = Duration::from_millis(500);
 /// How long the delete of a build VM waits for a process that may be exiting.
@@ -323,9 +325,7 @@ fn spawn_supervisor(
                 debts.stop(plan.instance, StopReason::StartFailed);
                 debts.release(plan.slot);
             }
-            Err(OrchError::Internal(format!(
-                "cannot start supervisor thread: {e}"
-            )))
+            Err(OrchError::host("cannot start supervisor thread", e))
         }
     }
 }
@@ -484,7 +484,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         Ok(f) => f,
         Err(e) => {
             let _ = take_hook(&mut instance);
-            let e = OrchError::Internal(format!("cannot open the slot's network namespace: {e}"));
+            let e = OrchError::host("cannot open the slot's network namespace", e);
             return Err(fail(slot, instance, e));
         }
     };
@@ -632,17 +632,18 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         }
         Err(e) => {
             let tail = runtime.vm.console_tail(20);
-            let cause = match runtime.vm.exited() {
-                Some(status) => format!("the VM exited during boot ({status})"),
-                None => format!("no answer within {}s: {e}", timeout.as_secs()),
+            let why = match runtime.vm.exited() {
+                Some(status) => NotReady::Exited(status),
+                None => NotReady::Silent {
+                    secs: timeout.as_secs(),
+                    source: Arc::new(e),
+                },
             };
             log::error!(
-                "sandboxId={id} op=launch result=error error=\"{e}\" console_tail=\n{tail}"
+                "sandboxId={id} op=launch result=error error=\"{why}\" console_tail=\n{tail}"
             );
             runtime.teardown(launcher, StopReason::StartFailed);
-            Err(OrchError::Internal(format!(
-                "guest agent did not become ready: {cause}; the console log's last lines are in the server log"
-            )))
+            Err(OrchError::GuestNotReady(why))
         }
     }
 }
@@ -704,8 +705,12 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
             }
             Ok(Op::SetEgress { rules, reply }) => {
                 let applied = match runtime.slot.as_mut() {
-                    Some(slot) => slot.set_egress(&rules).map_err(|e| e.to_string()),
-                    None => Err("the sandbox has no network slot".to_string()),
+                    Some(slot) => slot
+                        .set_egress(&rules)
+                        .map_err(|e| OrchError::net(EGRESS_STEP, e)),
+                    None => Err(OrchError::Internal(format!(
+                        "{EGRESS_STEP}: the sandbox has no network slot"
+                    ))),
                 };
                 let _ = reply.send(applied);
             }

@@ -17,12 +17,11 @@
 //! connection lost, a write stalled past `[server] write_timeout_secs`), the process
 //! gets SIGKILL. Terminals are bounded in total and per sandbox (429 beyond).
 
-use super::super::envd_proxy::EnvdProxy;
 use super::super::ApiError;
 use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, Framing, Outgoing, Patience};
-use crate::guest::envd::connect::{self, FLAG_END_STREAM};
 use crate::orchestrator::{EnvdRoute, EnvdTarget, Orchestrator};
+use crate::protocol::connect::{self, FLAG_END_STREAM};
 use crate::util::constant_time_eq;
 use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
@@ -66,7 +65,6 @@ pub fn sandbox_of(path: &str) -> Option<&str> {
 /// The open terminals, and what they need to start.
 pub struct Terminals {
     orchestrator: Arc<Orchestrator>,
-    envd: Arc<EnvdProxy>,
     api_key: String,
     open: Mutex<HashMap<String, usize>>,
 }
@@ -90,10 +88,9 @@ impl Drop for Permit {
 }
 
 impl Terminals {
-    pub fn new(orchestrator: Arc<Orchestrator>, envd: Arc<EnvdProxy>, api_key: String) -> Self {
+    pub fn new(orchestrator: Arc<Orchestrator>, api_key: String) -> Self {
         Terminals {
             orchestrator,
-            envd,
             api_key,
             open: Mutex::new(HashMap::new()),
         }
@@ -189,7 +186,7 @@ impl Terminals {
         let sandbox = permit.sandbox.as_str();
         let port = self.orchestrator.config().agent.port;
         let addr = SocketAddr::V4(SocketAddrV4::new(target.host_ip, port));
-        self.envd.init_once(sandbox, target, addr);
+        self.orchestrator.init_guest(sandbox, target, addr);
         let size = initial_size(request.url());
         let accept = header(&request, "Sec-WebSocket-Key")
             .map(|k| tungstenite::handshake::derive_accept_key(k.as_bytes()))

@@ -19,12 +19,12 @@ use std::path::Path;
 use serde_json::{json, Value};
 use tiny_http::{Header, Request, Response};
 
-use super::connect::RpcError;
 use super::http;
 use super::metadata::Metadata;
 use super::multipart::{self, Multipart, MultipartError};
 use super::users::User;
 use super::{Call, Envd};
+use crate::protocol::connect::RpcError;
 
 /// A failed transfer: the HTTP status and the message.
 #[derive(Debug)]

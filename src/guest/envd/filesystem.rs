@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::connect::{self, de_u32, Code, RpcError};
 use super::users::{OwnerNames, User};
 use super::{Call, Envd};
+use crate::protocol::connect::{self, de_u32, Code, RpcError};
 use crate::sys::guest::FsIdentity;
 use crate::util::rfc3339;
 

@@ -12,7 +12,7 @@ use std::io::{self, Read, Write};
 use serde_json::Value;
 use tiny_http::{Header, Request, Response};
 
-use super::connect::{self, EnvelopeWriter, MessageSink, RpcError};
+use crate::protocol::connect::{self, EnvelopeWriter, MessageSink, RpcError};
 
 /// The first value of header `name`.
 pub fn header(req: &Request, name: &str) -> Option<String> {

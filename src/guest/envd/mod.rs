@@ -16,7 +16,6 @@
 //! The guest trusts its caller: the host proxy checks the sandbox's access token before
 //! forwarding, and processes inside the guest are the sandbox user's own anyway.
 
-pub mod connect;
 pub mod files;
 pub mod filesystem;
 pub mod http;
@@ -39,7 +38,7 @@ use serde_json::{json, Value};
 use tiny_http::{Method, Request};
 
 use super::reaper::Reaper;
-use connect::{Code, MessageSink, RpcError};
+use crate::protocol::connect::{self, Code, MessageSink, RpcError};
 use users::{Accounts, User};
 
 /// Requests served at once; each holds a thread for its duration.

@@ -27,10 +27,12 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::connect::{self, de_bytes, de_or_default, de_u32, Code, MessageSink, RpcError};
 use super::{Call, Envd};
 use crate::guest::exec::{lookup, Lookup, DEFAULT_PATH};
 use crate::guest::reaper::Reaper;
+use crate::protocol::connect::{
+    self, de_bytes, de_or_default, de_u32, Code, MessageSink, RpcError,
+};
 use crate::sys::guest::{self as sys, ExitStatus};
 
 /// Processes running at once.

@@ -17,7 +17,7 @@ use std::path::{Component, Path, PathBuf};
 
 use base64::Engine;
 
-use super::connect::{Code, RpcError};
+use crate::protocol::connect::{Code, RpcError};
 
 /// E2B's default account name.
 pub const DEFAULT_USER: &str = "user";

@@ -25,10 +25,10 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::connect::{self, Code, MessageSink, RpcError};
 use super::filesystem::entry_info;
 use super::users::OwnerNames;
 use super::{Call, Envd};
+use crate::protocol::connect::{self, Code, MessageSink, RpcError};
 use crate::sys::guest::{poll_readable, Inotify};
 
 /// Watches open at once.
