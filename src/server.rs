@@ -97,12 +97,15 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
     if build_base {
         orchestrator.handle(Request::EnsureBaseTemplate)?;
     }
+    let cluster = crate::cluster::Cluster::start(&orchestrator.config().cluster, &api_key)
+        .map_err(|e| StartupError(format!("cannot start the cluster-peers thread: {e}")))?;
     let api = ApiServer::start(
         &server_config,
         Context::new(
             orchestrator.clone(),
             api_key,
             std::env::var("AENV_TEST_FAULTS").is_ok_and(|v| v == "1"),
+            cluster,
         ),
     )
     .map_err(StartupError)?;

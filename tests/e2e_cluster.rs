@@ -29,6 +29,15 @@ fn delete(s: &Server, id: &str) {
     assert_eq!(code, 204, "delete {id}: {v}");
 }
 
+/// Stops every node gracefully; each leaves nothing on its host.
+fn stop_all_leaving_nothing(c: &mut Cluster) {
+    for name in NODES {
+        c.node_mut(name).stop();
+        let left = c.node_leftovers(name);
+        assert!(left.is_empty(), "{name} left {left:?}");
+    }
+}
+
 #[test]
 fn three_nodes_behind_haproxy_spread_creates_and_survive_a_killed_node() {
     let _one = serial();
@@ -102,14 +111,219 @@ fn three_nodes_behind_haproxy_spread_creates_and_survive_a_killed_node() {
         for (node, id) in &owned {
             delete(c.node(node), id);
         }
-        for name in NODES {
-            c.node_mut(name).stop();
-            let left = c.node_leftovers(name);
-            assert!(left.is_empty(), "{name} left {left:?}");
-        }
+        stop_all_leaving_nothing(&mut c);
     }
     let left = host_leftovers();
     assert!(left.is_empty(), "the harness left {left:?}");
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+}
+
+/// `GET /cluster/node` of `s`.
+fn card(s: &Server) -> serde_json::Value {
+    let (code, v) = s.call("GET", "/cluster/node", None);
+    assert_eq!(code, 200, "{v}");
+    v
+}
+
+/// Whether `s` knows node `peer` and got its last answer.
+fn knows(s: &Server, peer: &str) -> bool {
+    card(s)["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["node"] == peer && p["answering"] == true)
+}
+
+/// `GET path` on `s` with extra headers and no API key unless given: (status, body).
+fn get_with(s: &Server, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut req = ureq::get(&format!("{}{path}", s.base)).timeout(Duration::from_secs(60));
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    match req.call() {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+        Err(e) => panic!("GET {path}: {e}"),
+    }
+}
+
+/// `sh -c script` through envd's `process.Process/Start` (a Connect server stream) on
+/// `s`, as the SDKs run commands: its stdout and exit code.
+fn envd_sh(s: &Server, id: &str, token: &str, script: &str) -> (String, i64) {
+    use base64::Engine;
+    let msg =
+        json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": false}).to_string();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    body.extend_from_slice(msg.as_bytes());
+    let resp = ureq::post(&format!("{}/process.Process/Start", s.base))
+        .set("E2b-Sandbox-Id", id)
+        .set("X-Access-Token", token)
+        .set("Content-Type", "application/connect+json")
+        .timeout(Duration::from_secs(60))
+        .send_bytes(&body)
+        .unwrap_or_else(|e| panic!("envd Start via {}: {e}", s.base));
+    let mut raw = Vec::new();
+    std::io::Read::read_to_end(&mut resp.into_reader(), &mut raw).unwrap();
+    let (mut stdout, mut exit, mut rest) = (String::new(), -1, &raw[..]);
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
+        let v: serde_json::Value = serde_json::from_slice(&rest[5..5 + len]).unwrap();
+        if let Some(out) = v["event"]["data"]["stdout"].as_str() {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(out)
+                .unwrap();
+            stdout.push_str(&String::from_utf8_lossy(&bytes));
+        }
+        if let Some(end) = v["event"].get("end") {
+            exit = end["exitCode"].as_i64().unwrap_or(0);
+        }
+        rest = &rest[5 + len..];
+    }
+    (stdout, exit)
+}
+
+/// The value of the series `series` in `s`'s `/metrics` (0 when absent).
+fn metric(s: &Server, series: &str) -> u64 {
+    let (code, v) = s.call("GET", "/metrics", None);
+    assert_eq!(code, 200);
+    let text = v.as_str().unwrap().to_string();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
+    let _one = serial();
+    {
+        let mut c = Cluster::start();
+        for (a, b) in [("n1", "n2"), ("n2", "n1"), ("n3", "n1")] {
+            must(
+                Duration::from_secs(20),
+                &format!("{a} never found {b}"),
+                || knows(c.node(a), b),
+            );
+        }
+        let n1 = card(c.node("n1"));
+        assert_eq!(n1["node"], "n1", "{n1}");
+        assert_eq!(n1["advertiseUrl"], node_url("n1"), "{n1}");
+        assert!(n1["capacity"]["vcpusFree"].as_u64().unwrap() > 0, "{n1}");
+        assert!(n1["capacity"]["memoryFreeMB"].as_u64().is_some(), "{n1}");
+        assert!(metric(c.node("n1"), "agentenv_free_vcpus") > 0);
+
+        // Made on n1, served through n2 (not its owner) for everything.
+        let v = c
+            .node("n1")
+            .create(json!({"image": base_image(), "timeout": 600}));
+        let id = id_of(&v);
+        let token = v["envdAccessToken"].as_str().unwrap().to_string();
+        assert!(id.ends_with("-n1"), "{id}");
+        assert_eq!(card(c.node("n1"))["capacity"]["running"], 1);
+        let (b, a) = (c.node("n2"), c.node("n1"));
+        let (code, got) = b.call("GET", &format!("/sandboxes/{id}"), None);
+        assert_eq!((code, &got["clientID"]), (200, &json!("n1")), "{got}");
+        assert_eq!(
+            sh(b, &id, "echo via-rest; hostname >/dev/null"),
+            "via-rest\n"
+        );
+        let (out, exit) = envd_sh(b, &id, &token, "echo via-envd");
+        assert_eq!((out.as_str(), exit), ("via-envd\n", 0));
+        // A file written through n2's REST path, read back through n2's REST path and
+        // envd, and on the owner.
+        let put = ureq::put(&format!("{}/sandboxes/{id}/files?path=/tmp/f.txt", b.base))
+            .set("X-API-Key", API_KEY)
+            .send_bytes(b"forwarded bytes\n");
+        assert_eq!(
+            put.map(|r| r.status()).unwrap_or_else(|e| panic!("{e}")),
+            204
+        );
+        let key = [("X-API-Key", API_KEY)];
+        let (code, text) = get_with(b, &format!("/sandboxes/{id}/files?path=/tmp/f.txt"), &key);
+        assert_eq!((code, text.as_str()), (200, "forwarded bytes\n"));
+        let envd = [
+            ("E2b-Sandbox-Id", id.as_str()),
+            ("X-Access-Token", token.as_str()),
+        ];
+        let (code, text) = get_with(b, "/files?path=/tmp/f.txt&username=root", &envd);
+        assert_eq!((code, text.as_str()), (200, "forwarded bytes\n"));
+        assert_eq!(sh(a, &id, "cat /tmp/f.txt"), "forwarded bytes\n");
+        // Credentials are the owner's to check: a wrong envd token is its 401.
+        let wrong = [("E2b-Sandbox-Id", id.as_str()), ("X-Access-Token", "nope")];
+        assert_eq!(get_with(b, "/files?path=/tmp/f.txt", &wrong).0, 401);
+        assert_eq!(get_with(b, &format!("/sandboxes/{id}"), &[]).0, 401);
+        let answered = metric(
+            b,
+            "agentenv_cluster_forwarded_total{node=\"n1\",result=\"answered\"}",
+        );
+        assert!(answered >= 7, "n2 forwarded {answered}");
+
+        // Already forwarded: answered by n3 itself, never forwarded again.
+        let once = [("X-API-Key", API_KEY), ("X-Aenv-Forwarded-By", "n2")];
+        let (code, text) = get_with(c.node("n3"), &format!("/sandboxes/{id}"), &once);
+        assert_eq!(code, 404, "{text}");
+        assert!(
+            text.contains("lives on node n1") && text.contains("not forwarded again"),
+            "{text}"
+        );
+        let refused = "agentenv_cluster_forwarded_total{node=\"n1\",result=\"refused\"}";
+        assert_eq!(metric(c.node("n3"), refused), 1);
+        let sent_on = "agentenv_cluster_forwarded_total{node=\"n1\",result=\"answered\"}";
+        assert_eq!(metric(c.node("n3"), sent_on), 0, "n3 sent nothing on");
+
+        // Deleted through n2: gone on n1.
+        let (code, v) = b.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(code, 204, "{v}");
+        assert_eq!(a.call("GET", &format!("/sandboxes/{id}"), None).0, 404);
+
+        // A paused sandbox of n1 (paused through n2), then n1 SIGKILLed: n2 answers 502
+        // naming n1; restarted, n1 serves it again through n2.
+        let paused = id_of(&a.create(json!({"image": base_image(), "timeout": 600})));
+        let (code, v) = b.call("POST", &format!("/sandboxes/{paused}/pause"), None);
+        assert_eq!(code, 204, "{v}");
+        c.node_mut("n1").crash();
+        let b = c.node("n2");
+        for path in [
+            format!("/sandboxes/{paused}"),
+            format!("/sandboxes/{paused}/logs"),
+        ] {
+            let (code, v) = b.call("GET", &path, None);
+            assert_eq!(code, 502, "{path}: {v}");
+            let message = v["message"].as_str().unwrap();
+            assert!(
+                message.starts_with(&format!(
+                    "sandbox {paused} lives on node n1, which does not answer: "
+                )),
+                "{message}"
+            );
+        }
+        let envd = [("E2b-Sandbox-Id", paused.as_str()), ("X-Access-Token", "t")];
+        let (code, text) = get_with(b, "/files?path=/x", &envd);
+        assert_eq!(code, 502, "{text}");
+        assert!(text.contains("node n1"), "{text}");
+        assert!(
+            metric(
+                b,
+                "agentenv_cluster_forwarded_total{node=\"n1\",result=\"unreachable\"}"
+            ) >= 3
+        );
+        must(Duration::from_secs(20), "n2 never marked n1 silent", || {
+            !knows(c.node("n2"), "n1")
+        });
+
+        c.node_mut("n1").spawn();
+        must(Duration::from_secs(30), "n2 never found n1 again", || {
+            knows(c.node("n2"), "n1")
+        });
+        let b = c.node("n2");
+        let (code, v) = b.call("GET", &format!("/sandboxes/{paused}"), None);
+        assert_eq!((code, &v["state"]), (200, &json!("paused")), "{v}");
+        let (code, v) = b.call("DELETE", &format!("/sandboxes/{paused}"), None);
+        assert_eq!(code, 204, "{v}");
+
+        stop_all_leaving_nothing(&mut c);
+    }
+    let left = host_leftovers();
+    assert!(left.is_empty(), "the harness left {left:?}");
 }

@@ -308,6 +308,12 @@ pub fn is_envd(request: &Request) -> bool {
     destination(request, 0).is_some() || SignedUrl::of(request).is_some()
 }
 
+/// The sandbox an envd request is for, from its headers (`None`: no envd request, or
+/// a signed file URL that names none).
+pub(super) fn sandbox_of(request: &Request) -> Option<String> {
+    destination(request, 0).map(|d| d.sandbox)
+}
+
 /// The sandbox and port of an envd request: the `E2b-Sandbox-Id` header (port from
 /// `E2b-Sandbox-Port`, else the agent port), or a `Host` of the form
 /// `<port>-<sandboxID>.<domain>`.
@@ -337,7 +343,7 @@ fn host_destination(host: &str) -> Option<Destination> {
     (is_sandbox_id(&sandbox) && host.contains('.')).then_some(Destination { sandbox, port })
 }
 
-fn header<'a>(request: &'a Request, name: &str) -> Option<&'a str> {
+pub(super) fn header<'a>(request: &'a Request, name: &str) -> Option<&'a str> {
     request
         .headers()
         .iter()
@@ -426,7 +432,7 @@ fn not_found(sandbox: &str) -> ApiError {
 
 /// How long the guest may stay quiet: the request's own Connect deadline plus slack,
 /// else long for streams and short for unary calls.
-fn idle_limit(request: &Request) -> Duration {
+pub(super) fn idle_limit(request: &Request) -> Duration {
     if let Some(ms) = header(request, "Connect-Timeout-Ms").and_then(|v| v.parse::<u64>().ok()) {
         return Duration::from_millis(ms) + DEADLINE_SLACK;
     }
@@ -532,22 +538,11 @@ impl Exchange<'_> {
         headers: &[(String, String)],
         guest: envd::Upgraded,
     ) -> Result<(), EnvdError> {
-        let mut response = Response::empty(StatusCode(101));
-        for (k, v) in headers {
-            if let Ok(h) = Header::from_bytes(k.as_bytes(), v.as_bytes()) {
-                response.add_header(h);
-            }
-        }
-        // Client reads wake every TUNNEL_POLL to look at the guest side and the sandbox.
-        request.set_body_timeout(Some(TUNNEL_POLL));
-        let (reader, writer) = request
-            .upgrade_split(protocol, response)
-            .map_err(envd::read_error)?;
         let patience = Patience {
             idle: self.tunnel_idle,
             alive: self.patience.alive.clone(),
         };
-        let totals = envd::tunnel::relay(reader, writer, guest, patience)?;
+        let totals = tunnel_upgrade(request, protocol, headers, guest, patience)?;
         log::info!(
             "sandboxId={} op=tunnel port={} protocol={protocol} toGuest={} toClient={} end={:?}",
             self.dest.sandbox,
@@ -560,10 +555,33 @@ impl Exchange<'_> {
     }
 }
 
+/// Answers `101` with the upstream's `headers`, then relays bytes both ways between the
+/// client and `upstream` (`envd::tunnel::relay`, bounded by `patience`).
+pub(super) fn tunnel_upgrade(
+    request: Request,
+    protocol: &str,
+    headers: &[(String, String)],
+    upstream: envd::Upgraded,
+    patience: Patience,
+) -> Result<envd::tunnel::Totals, EnvdError> {
+    let mut response = Response::empty(StatusCode(101));
+    for (k, v) in headers {
+        if let Ok(h) = Header::from_bytes(k.as_bytes(), v.as_bytes()) {
+            response.add_header(h);
+        }
+    }
+    // Client reads wake every TUNNEL_POLL to look at the other side and the sandbox.
+    request.set_body_timeout(Some(TUNNEL_POLL));
+    let (reader, writer) = request
+        .upgrade_split(protocol, response)
+        .map_err(envd::read_error)?;
+    envd::tunnel::relay(reader, writer, upstream, patience)
+}
+
 /// The protocol of an HTTP/1.1 upgrade request (`Connection: upgrade` and `Upgrade`),
 /// `None` for any other request. An upgrade with a body is refused: what follows the
 /// head belongs to the new protocol.
-fn upgrade_of(request: &Request) -> Result<Option<String>, ApiError> {
+pub(super) fn upgrade_of(request: &Request) -> Result<Option<String>, ApiError> {
     let wants = header(request, "Connection").is_some_and(|c| {
         c.split(',')
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
@@ -589,18 +607,23 @@ fn upgrade_of(request: &Request) -> Result<Option<String>, ApiError> {
 
 /// The request's headers the guest may see: no hop-by-hop ones, no credentials.
 fn forwarded_headers(request: &Request) -> Vec<(String, String)> {
+    headers_without(request, &WITHHELD)
+}
+
+/// The request's headers but hop-by-hop ones and those named in `withheld`.
+pub(super) fn headers_without(request: &Request, withheld: &[&str]) -> Vec<(String, String)> {
     request
         .headers()
         .iter()
         .filter(|h| {
             let name = h.field.as_str().as_str();
-            !envd::is_hop_by_hop(name) && !WITHHELD.iter().any(|w| name.eq_ignore_ascii_case(w))
+            !envd::is_hop_by_hop(name) && !withheld.iter().any(|w| name.eq_ignore_ascii_case(w))
         })
         .map(|h| (h.field.as_str().to_string(), h.value.as_str().to_string()))
         .collect()
 }
 
-fn body_framing(request: &Request) -> Framing {
+pub(super) fn body_framing(request: &Request) -> Framing {
     if header(request, "Transfer-Encoding").is_some() {
         Framing::Chunked
     } else {
@@ -612,7 +635,7 @@ fn body_framing(request: &Request) -> Framing {
 }
 
 /// Sends the guest's answer head and streams its body to the client.
-fn relay_answer(request: Request, answer: envd::Answer) -> Result<u16, EnvdError> {
+pub(super) fn relay_answer(request: Request, answer: envd::Answer) -> Result<u16, EnvdError> {
     let status = answer.status;
     let headers: Vec<Header> = answer
         .headers
@@ -637,7 +660,7 @@ fn upstream_error(e: &EnvdError) -> ApiError {
     }
 }
 
-fn answer_error(request: Request, e: &ApiError) {
+pub(super) fn answer_error(request: Request, e: &ApiError) {
     if let Err(err) = super::respond_error(request, e) {
         log::debug!("op=envd_proxy respond_error=\"{err}\"");
     }

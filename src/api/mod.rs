@@ -12,6 +12,7 @@ mod console;
 mod e2b_templates;
 mod envd_proxy;
 mod error;
+mod forward;
 mod history;
 mod models;
 mod network;
@@ -80,16 +81,24 @@ pub struct Context {
     pub test_faults: bool,
     /// The last hour of `/metrics` numbers (`GET /metrics/history`).
     pub history: Arc<history::MetricsHistory>,
+    /// This server as a cluster node (`[cluster] node`); `None` for a single node.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 impl Context {
-    pub fn new(orchestrator: Arc<Orchestrator>, api_key: String, test_faults: bool) -> Context {
+    pub fn new(
+        orchestrator: Arc<Orchestrator>,
+        api_key: String,
+        test_faults: bool,
+        cluster: Option<Arc<crate::cluster::Cluster>>,
+    ) -> Context {
         let interval = orchestrator.config().metrics.history_interval_secs;
         Context {
             orchestrator,
             api_key,
             test_faults,
             history: history::MetricsHistory::new(Duration::from_secs(interval)),
+            cluster,
         }
     }
 }
@@ -218,6 +227,10 @@ impl ApiServer {
             ctx.orchestrator.clone(),
             ctx.api_key.clone(),
         ));
+        let forward = Arc::new(forward::Forwarder::new(
+            ctx.cluster.clone(),
+            Duration::from_secs(ctx.orchestrator.config().api.tunnel_idle_secs),
+        ));
         let terminals = Arc::new(console::terminal::Terminals::new(
             ctx.orchestrator.clone(),
             ctx.api_key.clone(),
@@ -238,11 +251,15 @@ impl ApiServer {
                 let ctx = ctx.clone();
                 let envd = envd.clone();
                 let terminals = terminals.clone();
+                let forward = forward.clone();
                 threads.push(spawn(format!("{name}-{i}"), move || {
                     for job in rx {
-                        // The envd proxy and the console's terminals take their
-                        // requests onto threads of their own.
-                        let request = envd.divert(job.request).and_then(|r| terminals.divert(r));
+                        // Forwarding to other nodes, the envd proxy and the console's
+                        // terminals take their requests onto threads of their own.
+                        let request = forward
+                            .divert(job.request)
+                            .and_then(|r| envd.divert(r))
+                            .and_then(|r| terminals.divert(r));
                         if let Some(request) = request {
                             serve_one(&ctx, request);
                         }
@@ -266,6 +283,7 @@ impl ApiServer {
         let dispatcher = Dispatcher {
             ctx,
             envd,
+            forward,
             sizes,
             quick,
             control,
@@ -311,6 +329,7 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
 struct Dispatcher {
     ctx: Arc<Context>,
     envd: Arc<envd_proxy::EnvdProxy>,
+    forward: Arc<forward::Forwarder>,
     sizes: LaneSizes,
     quick: Sender<Job>,
     control: Sender<Job>,
@@ -321,13 +340,18 @@ struct Dispatcher {
 
 impl Dispatcher {
     fn dispatch(&self, request: Request) {
-        // envd requests carry their own credentials; the proxy checks them.
-        let lane = if self.envd.wants(&request) {
-            Lane::Stream
-        } else {
+        // envd requests carry their own credentials; the proxy (or the owner of a
+        // sandbox on another node) checks them.
+        let envd = self.envd.wants(&request);
+        if !envd {
             if let Err(e) = check_auth(&self.ctx, &request) {
                 return self.refuse(request, e);
             }
+        }
+        // Another node's sandbox: its owner applies its own lanes and limits.
+        let lane = if envd || self.forward.wants(&request) {
+            Lane::Stream
+        } else {
             lane_of(&request)
         };
         let (sender, permit) = match lane {

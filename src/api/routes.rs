@@ -61,6 +61,7 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/health", Quick, |ctx, _, _| health(ctx)),
     r(Get, "/metrics", Quick, |ctx, _, _| metrics(ctx)),
     r(Get, "/openapi.json", Quick, |_, _, _| openapi()),
+    r(Get, "/cluster/node", Quick, |ctx, _, _| cluster_node(ctx)),
     r(Get, "/sandboxes", Quick, |ctx, _, t| {
         list_running(ctx, t.query)
     }),
@@ -351,10 +352,54 @@ fn health(ctx: &Context) -> Result<Reply, ApiError> {
 }
 
 fn metrics(ctx: &Context) -> Result<Reply, ApiError> {
+    let mut body = ctx.orchestrator.observe().render_metrics();
+    if let Some(cluster) = &ctx.cluster {
+        cluster.render_metrics(&mut body);
+    }
     Ok(Reply::Text {
         content_type: "text/plain; version=0.0.4",
-        body: ctx.orchestrator.observe().render_metrics(),
+        body,
     })
+}
+
+/// `GET /cluster/node` (api.md §4.29): this node's name, URL and free capacity, and the
+/// peers it knows; a single node answers with `node` null and no peers.
+fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
+    let room = ctx.orchestrator.observe().capacity();
+    let capacity = crate::cluster::peers::NodeCapacity {
+        memory_free_mb: room.free.memory_free_mb,
+        vcpus_free: room.free.vcpus_free,
+        memory_reserved_mb: room.free.memory_reserved_mb,
+        vcpus_reserved: room.free.vcpus_reserved,
+        running: room.running as u64,
+    };
+    let Some(cluster) = &ctx.cluster else {
+        let body = json!({"node": null, "advertiseUrl": null, "capacity": capacity, "peers": []});
+        return Ok(Reply::json(200, body));
+    };
+    let peers: Vec<Value> = cluster
+        .peers
+        .peers()
+        .into_iter()
+        .map(|(node, p)| {
+            json!({
+                "node": node,
+                "url": p.url.to_string(),
+                "answering": p.failure.is_none(),
+                "failure": p.failure,
+                "lastAnsweredSecsAgo": p.answered.elapsed().as_secs(),
+                "capacity": p.card.capacity,
+            })
+        })
+        .collect();
+    let card = crate::cluster::peers::NodeCard {
+        node: cluster.node.clone(),
+        advertise_url: cluster.advertise_url.clone(),
+        capacity,
+    };
+    let mut body = serde_json::to_value(card).unwrap_or_default();
+    body["peers"] = Value::Array(peers);
+    Ok(Reply::json(200, body))
 }
 
 /// `GET /metrics/history?since=`: the samples of `/metrics` taken in the last hour,

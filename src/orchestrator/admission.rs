@@ -239,6 +239,40 @@ impl Admission {
         Ok(startup)
     }
 
+    /// What another VM could still have now (`GET /cluster/node`, `/metrics`): memory
+    /// is the smaller of the host's headroom (`MemAvailable` less the reserve and what
+    /// VMs still starting will touch) and the operator's cap less what is reserved; vCPUs
+    /// are the cap less what is reserved, else the host's CPUs less what is reserved.
+    pub fn capacity(&self, host_cpus: u32) -> Capacity {
+        let used = self.used.lock();
+        let now = Instant::now();
+        let settling: u64 = used
+            .settling
+            .iter()
+            .filter(|(at, _)| now.duration_since(*at) < SETTLE)
+            .map(|(_, mb)| mb)
+            .sum();
+        let host_free = self.headroom.as_ref().and_then(|(room, host)| {
+            host.available_mb()
+                .map(|a| a.saturating_sub(room.reserve_mb + settling))
+        });
+        let cap_free = self
+            .limits
+            .memory_mb
+            .map(|l| l.saturating_sub(used.memory_mb));
+        let memory_free_mb = match (host_free, cap_free) {
+            (Some(h), Some(c)) => Some(h.min(c)),
+            (h, c) => h.or(c),
+        };
+        let vcpu_limit = self.limits.vcpus.unwrap_or(u64::from(host_cpus));
+        Capacity {
+            memory_free_mb,
+            vcpus_free: vcpu_limit.saturating_sub(used.vcpus),
+            memory_reserved_mb: used.memory_mb,
+            vcpus_reserved: used.vcpus,
+        }
+    }
+
     /// (memory MiB, vCPUs) in use now.
     pub fn in_use(&self) -> (u64, u64) {
         let used = self.used.lock();
@@ -307,6 +341,17 @@ impl Admission {
             );
         }
     }
+}
+
+/// Room for more VMs, as [`Admission::capacity`] sees it now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// MiB another VM may still take; `None` when neither the host's figure nor a cap is
+    /// known.
+    pub memory_free_mb: Option<u64>,
+    pub vcpus_free: u64,
+    pub memory_reserved_mb: u64,
+    pub vcpus_reserved: u64,
 }
 
 /// One running VM's share; given back on drop.
@@ -444,6 +489,31 @@ mod tests {
         );
         host.pressure_tenths.store(10, Ordering::SeqCst);
         assert!(a.reserve(8, 1).is_ok());
+    }
+
+    #[test]
+    fn capacity_is_the_smaller_of_headroom_and_caps() {
+        let host = FakeHost::new(1024 + 500);
+        let room = Headroom {
+            reserve_mb: 1024,
+            startup_mb: 64,
+            max_pressure_pct: 0.0,
+        };
+        let a = Admission::with_host(caps(Some(2048), None), room, host.clone());
+        let free = a.capacity(4);
+        assert_eq!((free.memory_free_mb, free.vcpus_free), (Some(500), 4));
+        // A VM still starting counts for its startup memory; the cap for its size.
+        let _held = a.reserve(1900, 3).unwrap();
+        let free = a.capacity(4);
+        assert_eq!(free.memory_free_mb, Some(148), "min(500 - 64, 2048 - 1900)");
+        assert_eq!((free.vcpus_free, free.vcpus_reserved), (1, 3));
+        assert_eq!(free.memory_reserved_mb, 1900);
+        host.available.store(900, Ordering::SeqCst);
+        assert_eq!(a.capacity(4).memory_free_mb, Some(0), "below the reserve");
+        let capped = Admission::new(caps(None, Some(16)));
+        let _one = capped.reserve(128, 2).unwrap();
+        let free = capped.capacity(4);
+        assert_eq!((free.memory_free_mb, free.vcpus_free), (None, 14));
     }
 
     #[test]

@@ -59,6 +59,14 @@ pub fn render_state_gauge<N: std::fmt::Display>(
     }
 }
 
+/// Writes one gauge without labels.
+pub fn render_gauge<N: std::fmt::Display>(out: &mut String, name: &str, help: &str, value: N) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+    );
+}
+
 /// `agentenv_vm_deaths_total{kind,cause}`: QEMU processes that ended without being asked
 /// to, by what they were (`sandbox`, `standby`, `build`) and how they ended
 /// ([`crate::vm::VmExit::cause`]).

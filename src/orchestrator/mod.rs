@@ -43,6 +43,7 @@ mod views;
 mod volumes;
 mod wake;
 
+pub use admission::Capacity;
 pub use build_files::UploadError;
 pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
@@ -56,7 +57,7 @@ pub use settings::{
 pub use snapshots::valid_name as valid_template_name;
 pub use snapshots::SnapshotRecord;
 pub use templates::{BuildStatus, LogEntry, LogLevel, TemplateBuild, TemplateRequest};
-pub use views::{CatalogView, Observer};
+pub use views::{CatalogView, HostCapacity, Observer};
 
 use crate::agent::{AgentClient, ExecRequest, ExecResult, FileDownload};
 use crate::config::Config;

@@ -16,6 +16,13 @@ pub struct CatalogView<'a> {
 }
 
 /// What sandboxes and the server report: logs, extension params, metrics.
+/// What [`Observer::capacity`] answers.
+#[derive(Debug, Clone, Copy)]
+pub struct HostCapacity {
+    pub free: super::admission::Capacity,
+    pub running: usize,
+}
+
 pub struct Observer<'a> {
     pub(super) orch: &'a Orchestrator,
 }
@@ -220,9 +227,44 @@ impl Observer<'_> {
             &[("in_use", slots.in_use), ("pooled", slots.pooled)],
         );
         self.orch.shared.launcher.admission.render_metrics(&mut out);
+        let free = self
+            .orch
+            .shared
+            .launcher
+            .admission
+            .capacity(self.orch.shared.host.online_cpus());
+        if let Some(mb) = free.memory_free_mb {
+            metrics::render_gauge(
+                &mut out,
+                "agentenv_free_memory_mb",
+                "Memory (MiB) another VM may still take here: the host's headroom over the reserve, within the operator's cap.",
+                mb,
+            );
+        }
+        metrics::render_gauge(
+            &mut out,
+            "agentenv_free_vcpus",
+            "vCPUs not reserved by running VMs, of the cap (or of the host's CPUs without one).",
+            free.vcpus_free,
+        );
         self.orch.shared.disk.render_metrics(&mut out);
         guest_metrics::render_egress(&mut out, &self.orch.shared.registry.entries());
         out
+    }
+
+    /// Room for more VMs here, and how many sandboxes run (`GET /cluster/node`).
+    pub fn capacity(&self) -> HostCapacity {
+        let running = self
+            .orch
+            .list()
+            .iter()
+            .filter(|i| i.state().api_state() == Some("running"))
+            .count();
+        let cpus = self.orch.shared.host.online_cpus();
+        HostCapacity {
+            free: self.orch.shared.launcher.admission.capacity(cpus),
+            running,
+        }
     }
 
     /// This host's name, as the console shows it next to each sandbox.
