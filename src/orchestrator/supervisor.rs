@@ -457,33 +457,11 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         launcher.net.release(slot);
         e
     };
-    // A restore's hook outcome, which must be taken on every path (the instance it
-    // brings is owed a stop).
-    let (hook, failed_reason) = match &launch {
-        Launch::Restore {
-            hook,
-            failed_reason,
-            ..
-        } => (Some(hook.clone()), *failed_reason),
-        Launch::Cold { .. } => (None, StopReason::StartFailed),
-    };
-    let take_hook = |instance: &mut Instance| -> Result<(), HookError> {
-        let Some(hook) = &hook else { return Ok(()) };
-        match hook.recv() {
-            Ok(outcome) => {
-                *instance = outcome.instance;
-                outcome.result
-            }
-            Err(_) => Err(HookError::Failed {
-                hook: crate::hooks::Hook::StartResume,
-                cause: crate::hooks::Cause::Connection("the start was abandoned".into()),
-            }),
-        }
-    };
+    let hook = HookWait::of(&launch);
     let netns = match slot.open_netns() {
         Ok(f) => f,
         Err(e) => {
-            let _ = take_hook(&mut instance);
+            let _ = hook.take(&mut instance);
             let e = OrchError::host("cannot open the slot's network namespace", e);
             return Err(fail(slot, instance, e));
         }
@@ -496,62 +474,21 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         match crate::volume::nfs::NfsServer::start(&run_dir.path().join("nfs"), &netns, &exports) {
             Ok(server) => Some(server),
             Err(e) => {
-                let _ = take_hook(&mut instance);
+                let _ = hook.take(&mut instance);
                 return Err(fail(slot, instance, e.into()));
             }
         }
     };
-    let tap = Some(crate::net::TAP_NAME.to_string());
-    let qemu_binary = launcher.vm.qemu_binary.clone();
     let restored = matches!(launch, Launch::Restore { .. });
     // A filesystem-only capture boots its kernel like a cold start (held like a restore).
     let booted = match &launch {
         Launch::Cold { .. } => true,
         Launch::Restore { record, .. } => record.filesystem_only,
     };
-    let spawned = match launch {
-        Launch::Cold {
-            kernel_args,
-            memory_file,
-            disk,
-        } => {
-            let assets = &launcher.vm.assets_dir;
-            let spec = VmSpec {
-                run_dir: run_dir.path().to_path_buf(),
-                kernel: vm::guest_kernel(assets),
-                initramfs: assets.join("initramfs.img"),
-                kernel_args,
-                cpu_count: resources.cpu_count,
-                memory_mb: resources.memory_mb,
-                disk: disk.unwrap_or_else(|| run_dir.path().join("disk.qcow2")),
-                netns: Some(netns),
-                tap,
-                accel: launcher.accel,
-                qemu_binary,
-            };
-            let memory = memory_file.map(|path| MemoryFile { path, shared: true });
-            launcher.machines.boot(spec, memory)
-        }
-        Launch::Restore {
-            prepared: Some(mut vm),
-            record,
-            ..
-        } => vm.load_state(&record).map(|()| vm),
-        Launch::Restore { record, disk, .. } => {
-            let spec = RestoreSpec {
-                run_dir: run_dir.path().to_path_buf(),
-                disk,
-                netns: Some(netns),
-                tap,
-                accel: launcher.accel,
-                qemu_binary,
-            };
-            launcher.machines.restore(&record, spec)
-        }
-    };
+    let spawned = spawn_vm(launcher, launch, run_dir.path(), netns, resources);
     let prepared = Instant::now();
-    let hooked = take_hook(&mut instance);
-    if hook.is_some() {
+    let hooked = hook.take(&mut instance);
+    if hook.receiver.is_some() {
         log::info!(
             "sandboxId={id} op=launch hookWaitMs={} hook={}",
             prepared.elapsed().as_millis(),
@@ -565,7 +502,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             vm.kill();
         }
         drop(nfs);
-        launcher.hooks.stop(instance, failed_reason);
+        launcher.hooks.stop(instance, hook.failed_reason);
         launcher.net.release(slot);
         return Err(e.into());
     }
@@ -584,8 +521,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             return Err(fail(slot, instance, e));
         }
     }
-    let running = Instant::now();
-    let mut runtime = Runtime {
+    let runtime = Runtime {
         vm,
         slot: Some(slot),
         instance: Some(instance),
@@ -596,13 +532,122 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         nfs,
         io_paused: false,
     };
+    let times = (launched, prepared, Instant::now());
+    wait_ready(launcher, &id, runtime, (restored, booted), times)
+}
+
+/// A restore's start-resume outcome, which must be taken on every path (the instance it
+/// brings is owed a stop).
+struct HookWait {
+    receiver: Option<Receiver<HookOutcome>>,
+    failed_reason: StopReason,
+}
+
+impl HookWait {
+    fn of(launch: &Launch) -> HookWait {
+        match launch {
+            Launch::Restore {
+                hook,
+                failed_reason,
+                ..
+            } => HookWait {
+                receiver: Some(hook.clone()),
+                failed_reason: *failed_reason,
+            },
+            Launch::Cold { .. } => HookWait {
+                receiver: None,
+                failed_reason: StopReason::StartFailed,
+            },
+        }
+    }
+
+    /// Waits for the hook's outcome and takes the instance it opened.
+    fn take(&self, instance: &mut Instance) -> Result<(), HookError> {
+        let Some(hook) = &self.receiver else {
+            return Ok(());
+        };
+        match hook.recv() {
+            Ok(outcome) => {
+                *instance = outcome.instance;
+                outcome.result
+            }
+            Err(_) => Err(HookError::Failed {
+                hook: crate::hooks::Hook::StartResume,
+                cause: crate::hooks::Cause::Connection("the start was abandoned".into()),
+            }),
+        }
+    }
+}
+
+/// Boots the VM, restores it into a new QEMU, or loads the state into a claimed
+/// standby's QEMU.
+fn spawn_vm(
+    launcher: &Launcher,
+    launch: Launch,
+    run_dir: &Path,
+    netns: std::fs::File,
+    resources: super::settings::Resources,
+) -> Result<Box<dyn Machine>, vm::VmError> {
+    let tap = Some(crate::net::TAP_NAME.to_string());
+    let qemu_binary = launcher.vm.qemu_binary.clone();
+    match launch {
+        Launch::Cold {
+            kernel_args,
+            memory_file,
+            disk,
+        } => {
+            let assets = &launcher.vm.assets_dir;
+            let spec = VmSpec {
+                run_dir: run_dir.to_path_buf(),
+                kernel: vm::guest_kernel(assets),
+                initramfs: assets.join("initramfs.img"),
+                kernel_args,
+                cpu_count: resources.cpu_count,
+                memory_mb: resources.memory_mb,
+                disk: disk.unwrap_or_else(|| run_dir.join("disk.qcow2")),
+                netns: Some(netns),
+                tap,
+                accel: launcher.accel,
+                qemu_binary,
+            };
+            let memory = memory_file.map(|path| MemoryFile { path, shared: true });
+            launcher.machines.boot(spec, memory)
+        }
+        Launch::Restore {
+            prepared: Some(mut vm),
+            record,
+            ..
+        } => vm.load_state(&record).map(|()| vm),
+        Launch::Restore { record, disk, .. } => {
+            let spec = RestoreSpec {
+                run_dir: run_dir.to_path_buf(),
+                disk,
+                netns: Some(netns),
+                tap,
+                accel: launcher.accel,
+                qemu_binary,
+            };
+            launcher.machines.restore(&record, spec)
+        }
+    }
+}
+
+/// Waits until the guest agent answers (and sets a restored guest's clock); on failure
+/// tears the runtime down and says whether the VM exited or stayed silent.
+fn wait_ready(
+    launcher: &Launcher,
+    id: &str,
+    mut runtime: Runtime,
+    (restored, booted): (bool, bool),
+    (launched, prepared, running): (Instant, Instant, Instant),
+) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let mut clock = Duration::ZERO;
     let ready = runtime
         .vm
         .connect_agent(Instant::now() + timeout)
         .and_then(|agent| {
-            agent.set_label(&id);
+            agent.set_label(id);
             // A restored guest's clock stopped while it was saved (issue: guest clock).
             if restored && !booted {
                 let t = Instant::now();
@@ -611,25 +656,8 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             }
             Ok(agent)
         });
-    match ready {
-        Ok(agent) => {
-            if booted {
-                // Only costs idle CPU when it fails: the start goes on.
-                if let Err(e) = runtime.vm.boot_finished() {
-                    log::warn!("sandboxId={id} op=launch step=boot_finished error=\"{e}\"");
-                }
-            }
-            log::info!(
-                "sandboxId={id} op=launch result=ready prepareMs={} agentMs={} clockMs={} totalMs={}",
-                (prepared - launched).as_millis(),
-                running.elapsed().as_millis(),
-                clock.as_millis(),
-                launched.elapsed().as_millis()
-            );
-            let agent = Arc::new(agent);
-            runtime.agent = Some(agent.clone());
-            Ok((runtime, agent))
-        }
+    let agent = match ready {
+        Ok(agent) => agent,
         Err(e) => {
             let tail = runtime.vm.console_tail(20);
             let why = match runtime.vm.exited() {
@@ -643,9 +671,25 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
                 "sandboxId={id} op=launch result=error error=\"{why}\" console_tail=\n{tail}"
             );
             runtime.teardown(launcher, StopReason::StartFailed);
-            Err(OrchError::GuestNotReady(why))
+            return Err(OrchError::GuestNotReady(why));
+        }
+    };
+    if booted {
+        // Only costs idle CPU when it fails: the start goes on.
+        if let Err(e) = runtime.vm.boot_finished() {
+            log::warn!("sandboxId={id} op=launch step=boot_finished error=\"{e}\"");
         }
     }
+    log::info!(
+        "sandboxId={id} op=launch result=ready prepareMs={} agentMs={} clockMs={} totalMs={}",
+        (prepared - launched).as_millis(),
+        running.elapsed().as_millis(),
+        clock.as_millis(),
+        launched.elapsed().as_millis()
+    );
+    let agent = Arc::new(agent);
+    runtime.agent = Some(agent.clone());
+    Ok((runtime, agent))
 }
 
 /// The supervisor's loop: lifecycle operations in order, and a watch on the VM.
