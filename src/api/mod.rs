@@ -198,31 +198,36 @@ pub struct ApiServer {
 /// Threads that answer requests refused before a lane (401, 429, 503).
 const REJECT_THREADS: usize = 4;
 
+/// Binds `[server] listen` with the configured connection limits.
+fn listen(cfg: &ServerConfig) -> Result<tiny_http::Server, String> {
+    let listen = &cfg.listen;
+    let secs = |s: u64| Some(Duration::from_secs(s));
+    let limits = tiny_http::Limits {
+        max_connections: cfg.max_connections,
+        max_header_bytes: cfg.max_header_bytes,
+        idle_timeout: secs(cfg.idle_timeout_secs),
+        header_timeout: secs(cfg.header_timeout_secs),
+        body_timeout: secs(cfg.body_timeout_secs),
+        write_timeout: secs(cfg.write_timeout_secs),
+        // JSON bodies are read by the connection's own thread before dispatch, so a
+        // client that stalls mid-body never holds a worker.
+        buffer_body_up_to: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
+        ..tiny_http::Limits::default()
+    };
+    let config = tiny_http::ServerConfig {
+        addr: tiny_http::ConfigListenAddr::from_socket_addrs(listen.as_str())
+            .map_err(|e| format!("cannot resolve {listen}: {e}"))?,
+        ssl: None,
+    };
+    let server = tiny_http::Server::with_limits(config, limits)
+        .map_err(|e| format!("cannot listen on {listen}: {e}; set server.listen or AENV_LISTEN_ADDR to a free address"))?;
+    Ok(server)
+}
+
 impl ApiServer {
     /// Binds `[server] listen` and starts the dispatcher, the lanes and the rejecters.
     pub fn start(cfg: &ServerConfig, ctx: Context) -> Result<ApiServer, String> {
-        let listen = &cfg.listen;
-        let secs = |s: u64| Some(Duration::from_secs(s));
-        let limits = tiny_http::Limits {
-            max_connections: cfg.max_connections,
-            max_header_bytes: cfg.max_header_bytes,
-            idle_timeout: secs(cfg.idle_timeout_secs),
-            header_timeout: secs(cfg.header_timeout_secs),
-            body_timeout: secs(cfg.body_timeout_secs),
-            write_timeout: secs(cfg.write_timeout_secs),
-            // JSON bodies are read by the connection's own thread before dispatch, so a
-            // client that stalls mid-body never holds a worker.
-            buffer_body_up_to: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
-            ..tiny_http::Limits::default()
-        };
-        let config = tiny_http::ServerConfig {
-            addr: tiny_http::ConfigListenAddr::from_socket_addrs(listen.as_str())
-                .map_err(|e| format!("cannot resolve {listen}: {e}"))?,
-            ssl: None,
-        };
-        let server = tiny_http::Server::with_limits(config, limits)
-            .map_err(|e| format!("cannot listen on {listen}: {e}; set server.listen or AENV_LISTEN_ADDR to a free address"))?;
-        let server = Arc::new(server);
+        let server = Arc::new(listen(cfg)?);
         let envd = Arc::new(envd_proxy::EnvdProxy::new(
             ctx.orchestrator.clone(),
             ctx.api_key.clone(),
