@@ -12,7 +12,7 @@ use agentenv::agent::AgentClient;
 use agentenv::config::AccelMode;
 use agentenv::vm::{
     self, create_clone_disk, create_overlay, detect_accel, guest_kernel, CaptureRecord,
-    DiskCapture, MemoryFile, RestoreSpec, Vm, VmSpec,
+    DiskCapture, HostPlumbing, MachineConfig, MemoryFile, RestoreSpec, Vm, VmSpec,
 };
 
 const ASSETS: &str = "/var/lib/agentenv/assets";
@@ -21,28 +21,22 @@ const MEMORY_MB: u32 = 256;
 fn spec(root: &Path, run: &str, disk: PathBuf) -> VmSpec {
     let assets = Path::new(ASSETS);
     VmSpec {
-        run_dir: root.join(run),
-        kernel: guest_kernel(assets),
-        initramfs: assets.join("initramfs.img"),
+        host: HostPlumbing::local(root.join(run), detect_accel(AccelMode::Auto).unwrap()),
+        machine: MachineConfig {
+            kernel: guest_kernel(assets),
+            initramfs: assets.join("initramfs.img"),
+            cpu_count: 1,
+            memory_mb: MEMORY_MB,
+        },
         kernel_args: vec!["agentenv.port=49983".into()],
-        cpu_count: 1,
-        memory_mb: MEMORY_MB,
         disk,
-        netns: None,
-        tap: None,
-        accel: detect_accel(AccelMode::Auto).unwrap(),
-        qemu_binary: "qemu-system-x86_64".into(),
     }
 }
 
 fn restore_spec(run_dir: PathBuf, disk: PathBuf) -> RestoreSpec {
     RestoreSpec {
-        run_dir,
+        host: HostPlumbing::local(run_dir, detect_accel(AccelMode::Auto).unwrap()),
         disk,
-        netns: None,
-        tap: None,
-        accel: detect_accel(AccelMode::Auto).unwrap(),
-        qemu_binary: "qemu-system-x86_64".into(),
     }
 }
 

@@ -60,6 +60,17 @@ pub enum OrchError {
     Hook(HookError),
     /// A build's files upload: too large 413, refused 400, the server's disk 500.
     Upload(super::UploadError),
+    /// The sandbox's supervisor thread ended (its VM died or was torn down) before it
+    /// answered (500); `during` says what was asked.
+    VmGone { during: &'static str },
+    /// A sandbox entry lacks a part its state promises (a running one without a VM, a
+    /// paused one without its state) (500).
+    Lacks { id: String, what: &'static str },
+    /// An image could not be prepared: the registry failed 502, a bad reference 400, the
+    /// host 500.
+    Image(Arc<crate::image::ImageError>),
+    /// A volume operation (its own status: 400, 404, 409, 503, 507 or 500).
+    Volume(Arc<crate::volume::VolumeError>),
     /// A state change the state machine does not allow (409).
     InvalidTransition {
         from: super::SandboxState,
@@ -102,7 +113,13 @@ impl OrchError {
             | OrchError::GuestNotReady(_)
             | OrchError::PausedUnrecorded { .. }
             | OrchError::RemovedAfter { .. }
+            | OrchError::VmGone { .. }
+            | OrchError::Lacks { .. }
             | OrchError::Store(_) => 500,
+            OrchError::Image(e) if e.is_upstream() => 502,
+            OrchError::Image(e) if e.is_client_error() => 400,
+            OrchError::Image(_) => 500,
+            OrchError::Volume(e) => e.status(),
             OrchError::InsufficientStorage(_) => 507,
             OrchError::Hook(HookError::Disabled) => 400,
             OrchError::Hook(HookError::Failed { .. }) => 502,
@@ -151,8 +168,8 @@ impl OrchError {
 
     /// The sandbox's supervisor thread ended (its VM died or was torn down) before it
     /// answered.
-    pub fn vm_gone() -> OrchError {
-        OrchError::Internal("the sandbox's VM is gone".into())
+    pub fn vm_gone(during: &'static str) -> OrchError {
+        OrchError::VmGone { during }
     }
 }
 
@@ -185,6 +202,17 @@ impl fmt::Display for OrchError {
                 "{source}; the VM could not run on and sandbox {id} was removed; its disk is \
                  kept for the operator (see the server log)"
             ),
+            OrchError::VmGone { during } => write!(
+                f,
+                "{during}: the sandbox's VM is gone (it died or was deleted meanwhile; the \
+                 server log says why)"
+            ),
+            OrchError::Lacks { id, what } => write!(
+                f,
+                "sandbox {id} has no {what}; this is a server bug: report it with the server log"
+            ),
+            OrchError::Image(e) => write!(f, "{e}"),
+            OrchError::Volume(e) => write!(f, "{e}"),
             OrchError::Store(e) => write!(f, "{e}"),
             OrchError::Hook(e) => write!(f, "{e}"),
             OrchError::Upload(e) => write!(f, "{e}"),
@@ -228,27 +256,13 @@ impl From<HookError> for OrchError {
 
 impl From<crate::image::ImageError> for OrchError {
     fn from(e: crate::image::ImageError) -> OrchError {
-        if e.is_upstream() {
-            OrchError::Upstream(e.to_string())
-        } else if e.is_client_error() {
-            OrchError::BadRequest(e.to_string())
-        } else {
-            OrchError::Internal(e.to_string())
-        }
+        OrchError::Image(Arc::new(e))
     }
 }
 
 impl From<crate::volume::VolumeError> for OrchError {
     fn from(e: crate::volume::VolumeError) -> OrchError {
-        let m = e.to_string();
-        match e.status() {
-            400 => OrchError::BadRequest(m),
-            404 => OrchError::NotFound(m),
-            409 => OrchError::Conflict(m),
-            503 => OrchError::Unavailable(m),
-            507 => OrchError::InsufficientStorage(m),
-            _ => OrchError::Internal(m),
-        }
+        OrchError::Volume(Arc::new(e))
     }
 }
 

@@ -45,11 +45,13 @@ pub(crate) fn capture() -> crate::vm::CaptureRecord {
     crate::vm::CaptureRecord {
         format: 1,
         captured_at_unix_ms: 0,
-        kernel: "/assets/vmlinuz".into(),
-        initramfs: "/assets/initramfs.img".into(),
+        machine: crate::vm::MachineConfig {
+            kernel: "/assets/vmlinuz".into(),
+            initramfs: "/assets/initramfs.img".into(),
+            cpu_count: 1,
+            memory_mb: 128,
+        },
         kernel_cmdline: String::new(),
-        cpu_count: 1,
-        memory_mb: 128,
         accel: "tcg".into(),
         nic: true,
         state_file: "/nowhere/state.bin".into(),
@@ -256,21 +258,21 @@ pub(crate) mod sides {
 
     impl Machines for FakeMachines {
         fn boot(&self, spec: VmSpec, _: Option<MemoryFile>) -> Result<Box<dyn Machine>, VmError> {
-            self.machine(&spec.run_dir)
+            self.machine(&spec.host.run_dir)
         }
         fn restore(
             &self,
             _: &CaptureRecord,
             spec: crate::vm::RestoreSpec,
         ) -> Result<Box<dyn Machine>, VmError> {
-            self.machine(&spec.run_dir)
+            self.machine(&spec.host.run_dir)
         }
         fn standby(
             &self,
             _: &CaptureRecord,
             spec: crate::vm::RestoreSpec,
         ) -> Result<Box<dyn Machine>, VmError> {
-            let vm = self.machine(&spec.run_dir)?;
+            let vm = self.machine(&spec.host.run_dir)?;
             self.standbys.fetch_add(1, Ordering::SeqCst);
             Ok(vm)
         }

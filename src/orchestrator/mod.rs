@@ -289,9 +289,9 @@ impl Orchestrator {
             .disk
             .check(op)
             .and_then(|()| self.shared.disk.classify(op, write()));
-        if let Err(OrchError::InsufficientStorage(m)) = &result {
+        if let Some(e) = result.as_ref().err().filter(|e| e.status() == 507) {
             log::warn!(
-                "op={} result=insufficient_storage reason=\"{m}\"",
+                "op={} result=insufficient_storage reason=\"{e}\"",
                 op.name()
             );
         }
@@ -402,8 +402,7 @@ impl Orchestrator {
                 rules: policy.rules(),
                 reply,
             };
-            let gone =
-                || OrchError::Internal(format!("{}: the VM is gone", supervisor::EGRESS_STEP));
+            let gone = || OrchError::vm_gone(supervisor::EGRESS_STEP);
             match rt.ops.send(op) {
                 Ok(()) => done.recv().unwrap_or_else(|_| Err(gone()))?,
                 Err(_) => return Err(gone()),

@@ -200,7 +200,10 @@ pub(crate) fn pause(
     entry.wait_patches();
     let Some(runtime) = entry.runtime() else {
         entry.set_state(SandboxState::Running)?;
-        return Err(OrchError::Internal(format!("sandbox {id} has no VM")));
+        return Err(OrchError::Lacks {
+            id: id.to_string(),
+            what: "VM",
+        });
     };
     let sandbox_dir = registry.dir(id);
     let mut paused_info = entry.info();
@@ -227,8 +230,8 @@ pub(crate) fn pause(
     let outcome = match sent {
         Ok(()) => rx
             .recv()
-            .unwrap_or_else(|_| PauseOutcome::Gone(OrchError::vm_gone())),
-        Err(_) => PauseOutcome::Gone(OrchError::vm_gone()),
+            .unwrap_or_else(|_| PauseOutcome::Gone(OrchError::vm_gone("pausing"))),
+        Err(_) => PauseOutcome::Gone(OrchError::vm_gone("pausing")),
     };
     match outcome {
         PauseOutcome::Paused => {
@@ -394,9 +397,10 @@ fn restore_paused(
     id: &str,
     from: PauseMode,
 ) -> Result<(RuntimeHandle, SlotFacts), OrchError> {
-    let mut capture = entry
-        .paused_capture()
-        .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no paused state")))?;
+    let mut capture = entry.paused_capture().ok_or_else(|| OrchError::Lacks {
+        id: id.to_string(),
+        what: "paused state",
+    })?;
     if from == PauseMode::Filesystem {
         // Its disk only: the saved memory is left as it is (removed with the capture
         // once the sandbox runs).
@@ -506,9 +510,10 @@ fn capture_running(
     id: &str,
     snapshot_id: &str,
 ) -> Result<CaptureRecord, OrchError> {
-    let runtime = entry
-        .runtime()
-        .ok_or_else(|| OrchError::Internal(format!("sandbox {id} has no VM")))?;
+    let runtime = entry.runtime().ok_or_else(|| OrchError::Lacks {
+        id: id.to_string(),
+        what: "VM",
+    })?;
     let dir = snapshots.dir(snapshot_id);
     let (tx, rx) = crossbeam_channel::bounded(1);
     runtime
@@ -518,7 +523,7 @@ fn capture_running(
             run_on: true,
             reply: tx,
         })
-        .map_err(|_| OrchError::vm_gone())?;
+        .map_err(|_| OrchError::vm_gone("taking a snapshot"))?;
     match rx.recv() {
         Ok(Ok(capture)) => Ok(capture),
         Ok(Err(PauseOutcome::RanOn(e))) => {
@@ -535,7 +540,7 @@ fn capture_running(
             Err(remove_stopped(registry, entry, id, "snapshot", e))
         }
         Ok(Err(PauseOutcome::Gone(_) | PauseOutcome::Paused | PauseOutcome::Uncommitted(..)))
-        | Err(_) => Err(OrchError::vm_gone()),
+        | Err(_) => Err(OrchError::vm_gone("taking a snapshot")),
     }
 }
 

@@ -185,11 +185,13 @@ mod tests {
         let capture = CaptureRecord {
             format: 1,
             captured_at_unix_ms: 0,
-            kernel: "/opt/assets/vmlinuz".into(),
-            initramfs: "/srv/state/assets/initramfs.img".into(),
+            machine: crate::vm::MachineConfig {
+                kernel: "/opt/assets/vmlinuz".into(),
+                initramfs: "/srv/state/assets/initramfs.img".into(),
+                cpu_count: 1,
+                memory_mb: 128,
+            },
             kernel_cmdline: String::new(),
-            cpu_count: 1,
-            memory_mb: 128,
             accel: "tcg".into(),
             nic: true,
             state_file: "/srv/state/sandboxes/x/paused/state.bin".into(),
@@ -205,7 +207,7 @@ mod tests {
             filesystem_only: false,
         };
         let rel = relative_capture(&capture, Path::new("/srv/state"));
-        assert_eq!(rel.kernel, Path::new("/opt/assets/vmlinuz"));
+        assert_eq!(rel.machine.kernel, Path::new("/opt/assets/vmlinuz"));
         assert_eq!(rel.state_file, Path::new("sandboxes/x/paused/state.bin"));
         assert_eq!(rel.disk_base.as_deref(), Some(Path::new("images/a.ext4")));
         let moved = absolute_capture(&rel, Path::new("/new/place"));
@@ -217,7 +219,7 @@ mod tests {
             moved.disk_layers[0],
             Path::new("/new/place/sandboxes/x/disk.qcow2")
         );
-        assert_eq!(moved.kernel, Path::new("/opt/assets/vmlinuz"));
+        assert_eq!(moved.machine.kernel, Path::new("/opt/assets/vmlinuz"));
         // Schema 1 (absolute) records read as written.
         assert_eq!(absolute_capture(&capture, Path::new("/new/place")), capture);
     }

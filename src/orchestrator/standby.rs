@@ -455,12 +455,8 @@ fn make(
         .map_err(|e| OrchError::vm("cloning the template's disk", e))?;
     let slot = launcher.net.acquire()?;
     let spec = slot.open_netns().map(|netns| RestoreSpec {
-        run_dir: run_dir.path().to_path_buf(),
         disk: disk.clone(),
-        netns: Some(netns),
-        tap: Some(crate::net::TAP_NAME.to_string()),
-        accel: launcher.accel,
-        qemu_binary: launcher.vm.qemu_binary.clone(),
+        host: launcher.plumbing(run_dir.path(), netns),
     });
     let vm = match spec {
         Ok(spec) => launcher

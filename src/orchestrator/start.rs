@@ -24,12 +24,14 @@ use super::settings::Resources;
 use super::sides::{Extension, Machine, Machines, Network};
 use super::standby::{Prepared, StandbyPool};
 use super::state_disk::StateDisk;
-use super::supervisor::{self, HookOutcome, Launch, RunDir, StartPlan, ThreadSpawner, Watch};
+use super::supervisor::{
+    self, HookOutcome, Launch, Placed, RunDir, StartPlan, ThreadSpawner, Watch,
+};
 use super::OrchError;
 use crate::config::{Config, VmConfig};
 use crate::hooks::{Instance, StartContext, StopReason};
 use crate::net::Slot;
-use crate::vm::{self, Accel, CaptureRecord};
+use crate::vm::{self, Accel, CaptureRecord, HostPlumbing};
 use serde_json::Value;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -60,6 +62,18 @@ pub(crate) struct Launcher {
 }
 
 impl Launcher {
+    /// How a VM of this server is wired to the host: in `run_dir`, inside the slot's
+    /// `netns`, on the slot's tap.
+    pub fn plumbing(&self, run_dir: &std::path::Path, netns: std::fs::File) -> HostPlumbing {
+        HostPlumbing {
+            run_dir: run_dir.to_path_buf(),
+            netns: Some(netns),
+            tap: Some(crate::net::TAP_NAME.to_string()),
+            accel: self.accel,
+            qemu_binary: self.vm.qemu_binary.clone(),
+        }
+    }
+
     pub fn new(
         config: &Config,
         net: Arc<dyn Network>,
@@ -237,29 +251,12 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
     }
 }
 
-/// What a start holds once it has its share of the host and its slot.
-struct Placed {
-    id: String,
-    run_dir: RunDir,
-    slot: Slot,
-    resources: Resources,
-    reservation: Reservation,
-    watch: Box<dyn Watch>,
-    exports: Vec<crate::volume::nfs::Export>,
-}
-
 impl Placed {
     fn plan(self, instance: Instance, launch: Launch) -> StartPlan {
         StartPlan {
-            id: self.id,
-            run_dir: self.run_dir,
-            slot: self.slot,
+            placed: self,
             instance,
             launch,
-            resources: self.resources,
-            reservation: self.reservation,
-            watch: self.watch,
-            exports: self.exports,
         }
     }
 

@@ -12,7 +12,7 @@ use super::{NotReady, OrchError};
 use crate::agent::AgentClient;
 use crate::hooks::{HookError, Instance, StopReason};
 use crate::net::Slot;
-use crate::vm::{self, CaptureRecord, DiskCapture, MemoryFile, RestoreSpec, VmSpec};
+use crate::vm::{self, CaptureRecord, DiskCapture, MachineConfig, MemoryFile, RestoreSpec, VmSpec};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -120,11 +120,16 @@ pub(crate) struct HookOutcome {
 /// (`instance`), or for a restore is on its way (`instance` has no id until
 /// [`HookOutcome`] brings it); every failure path owes it a stop.
 pub(crate) struct StartPlan {
+    pub placed: Placed,
+    pub instance: Instance,
+    pub launch: Launch,
+}
+
+/// What a start holds once it has its share of the host and its slot.
+pub(crate) struct Placed {
     pub id: String,
     pub run_dir: RunDir,
     pub slot: Slot,
-    pub instance: Instance,
-    pub launch: Launch,
     pub resources: super::settings::Resources,
     /// The VM's memory and vCPUs, held by its supervisor thread for the VM's life.
     pub reservation: Reservation,
@@ -301,7 +306,10 @@ fn spawn_supervisor(
     debts: &dyn StartDebts,
     body: impl FnOnce(StartPlan) + Send + 'static,
 ) -> Result<(), OrchError> {
-    let name = format!("sbx-{}", &plan.id[plan.id.len().saturating_sub(8)..]);
+    let name = format!(
+        "sbx-{}",
+        &plan.placed.id[plan.placed.id.len().saturating_sub(8)..]
+    );
     let handoff = Arc::new(parking_lot::Mutex::new(Some(plan)));
     let theirs = handoff.clone();
     let spawned = spawn(
@@ -318,12 +326,12 @@ fn spawn_supervisor(
             if let Some(plan) = handoff.lock().take() {
                 log::warn!(
                     "sandboxId={} op=launch error=\"cannot start supervisor thread: {e}\"",
-                    plan.id
+                    plan.placed.id
                 );
                 // A prepared VM (a standby's) dies before its slot goes.
                 drop(plan.launch);
                 debts.stop(plan.instance, StopReason::StartFailed);
-                debts.release(plan.slot);
+                debts.release(plan.placed.slot);
             }
             Err(OrchError::host("cannot start supervisor thread", e))
         }
@@ -349,9 +357,10 @@ pub(crate) struct Launching {
 impl Launching {
     /// Waits until the guest agent answers (or the launch failed and was undone).
     pub(crate) fn wait(self) -> Result<(Sender<Op>, Arc<AgentClient>), OrchError> {
-        let agent = self.reply.recv_timeout(self.wait).map_err(|_| {
-            OrchError::Internal("sandbox supervisor did not report its launch".into())
-        })??;
+        let agent = self
+            .reply
+            .recv_timeout(self.wait)
+            .map_err(|_| OrchError::vm_gone("starting the VM"))??;
         Ok((self.ops, agent))
     }
 }
@@ -420,7 +429,7 @@ fn supervise(
     launch_reply: Sender<Result<Arc<AgentClient>, OrchError>>,
     ops: Receiver<Op>,
 ) {
-    let id = plan.id.clone();
+    let id = plan.placed.id.clone();
     match launch(&launcher, plan) {
         Ok((runtime, agent)) => {
             if launch_reply.send(Ok(agent)).is_err() {
@@ -440,18 +449,20 @@ fn supervise(
 /// released, run dir removed when armed.
 fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
     let StartPlan {
-        id,
-        run_dir,
-        slot,
-        instance,
+        placed:
+            Placed {
+                id,
+                run_dir,
+                slot,
+                resources,
+                reservation,
+                watch,
+                exports,
+            },
+        mut instance,
         launch,
-        resources,
-        reservation,
-        watch,
-        exports,
     } = plan;
     let launched = Instant::now();
-    let mut instance = instance;
     let fail = |slot: Slot, instance: Instance, e: OrchError| {
         launcher.hooks.stop(instance, StopReason::StartFailed);
         launcher.net.release(slot);
@@ -466,17 +477,11 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
             return Err(fail(slot, instance, e));
         }
     };
-    // The guest's volumes are served before it runs, so a restored guest's NFS mounts
-    // reconnect at once.
-    let nfs = if exports.is_empty() {
-        None
-    } else {
-        match crate::volume::nfs::NfsServer::start(&run_dir.path().join("nfs"), &netns, &exports) {
-            Ok(server) => Some(server),
-            Err(e) => {
-                let _ = hook.take(&mut instance);
-                return Err(fail(slot, instance, e.into()));
-            }
+    let nfs = match serve_volumes(run_dir.path(), &netns, &exports) {
+        Ok(nfs) => nfs,
+        Err(e) => {
+            let _ = hook.take(&mut instance);
+            return Err(fail(slot, instance, e.into()));
         }
     };
     let restored = matches!(launch, Launch::Restore { .. });
@@ -536,6 +541,19 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
     wait_ready(launcher, &id, runtime, (restored, booted), times)
 }
 
+/// The guest's volumes are served before it runs, so a restored guest's NFS mounts
+/// reconnect at once. No volumes: no server.
+fn serve_volumes(
+    run_dir: &Path,
+    netns: &std::fs::File,
+    exports: &[crate::volume::nfs::Export],
+) -> Result<Option<crate::volume::nfs::NfsServer>, crate::volume::VolumeError> {
+    if exports.is_empty() {
+        return Ok(None);
+    }
+    crate::volume::nfs::NfsServer::start(&run_dir.join("nfs"), netns, exports).map(Some)
+}
+
 /// A restore's start-resume outcome, which must be taken on every path (the instance it
 /// brings is owed a stop).
 struct HookWait {
@@ -588,8 +606,6 @@ fn spawn_vm(
     netns: std::fs::File,
     resources: super::settings::Resources,
 ) -> Result<Box<dyn Machine>, vm::VmError> {
-    let tap = Some(crate::net::TAP_NAME.to_string());
-    let qemu_binary = launcher.vm.qemu_binary.clone();
     match launch {
         Launch::Cold {
             kernel_args,
@@ -598,17 +614,15 @@ fn spawn_vm(
         } => {
             let assets = &launcher.vm.assets_dir;
             let spec = VmSpec {
-                run_dir: run_dir.to_path_buf(),
-                kernel: vm::guest_kernel(assets),
-                initramfs: assets.join("initramfs.img"),
+                machine: MachineConfig {
+                    kernel: vm::guest_kernel(assets),
+                    initramfs: assets.join("initramfs.img"),
+                    cpu_count: resources.cpu_count,
+                    memory_mb: resources.memory_mb,
+                },
                 kernel_args,
-                cpu_count: resources.cpu_count,
-                memory_mb: resources.memory_mb,
                 disk: disk.unwrap_or_else(|| run_dir.join("disk.qcow2")),
-                netns: Some(netns),
-                tap,
-                accel: launcher.accel,
-                qemu_binary,
+                host: launcher.plumbing(run_dir, netns),
             };
             let memory = memory_file.map(|path| MemoryFile { path, shared: true });
             launcher.machines.boot(spec, memory)
@@ -620,12 +634,8 @@ fn spawn_vm(
         } => vm.load_state(&record).map(|()| vm),
         Launch::Restore { record, disk, .. } => {
             let spec = RestoreSpec {
-                run_dir: run_dir.to_path_buf(),
                 disk,
-                netns: Some(netns),
-                tap,
-                accel: launcher.accel,
-                qemu_binary,
+                host: launcher.plumbing(run_dir, netns),
             };
             launcher.machines.restore(&record, spec)
         }
@@ -752,9 +762,10 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     Some(slot) => slot
                         .set_egress(&rules)
                         .map_err(|e| OrchError::net(EGRESS_STEP, e)),
-                    None => Err(OrchError::Internal(format!(
-                        "{EGRESS_STEP}: the sandbox has no network slot"
-                    ))),
+                    None => Err(OrchError::Lacks {
+                        id: id.to_string(),
+                        what: "network slot",
+                    }),
                 };
                 let _ = reply.send(applied);
             }
@@ -1040,10 +1051,17 @@ mod tests {
             memory_mb: Some(1024),
             vcpus: Some(4),
         });
-        let plan = StartPlan {
+        let placed = Placed {
             id: "sandbox-1".into(),
             run_dir: RunDir::create(dir.clone()).unwrap(),
             slot: slots.acquire().unwrap(),
+            resources: crate::orchestrator::fakes::settings().resources,
+            reservation: admission.reserve(128, 1).unwrap(),
+            watch: Box::new(Unwatched),
+            exports: Vec::new(),
+        };
+        let plan = StartPlan {
+            placed,
             instance: Instance {
                 sandbox_id: "sandbox-1".into(),
                 instance_id: Some("instance-1".into()),
@@ -1053,10 +1071,6 @@ mod tests {
                 memory_file: None,
                 disk: None,
             },
-            resources: crate::orchestrator::fakes::settings().resources,
-            reservation: admission.reserve(128, 1).unwrap(),
-            watch: Box::new(Unwatched),
-            exports: Vec::new(),
         };
         let debts = RecordedDebts::default();
         let no_threads: ThreadSpawner = |_, _| Err(std::io::Error::other("no threads"));

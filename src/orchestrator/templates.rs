@@ -922,7 +922,7 @@ impl BuildVm {
         shared: &Shared,
         template_id: &str,
     ) -> Result<crate::vm::CaptureRecord, BuildFailure> {
-        let gone = || OrchError::Internal("the build VM is gone".into());
+        let gone = || OrchError::vm_gone("capturing the built template");
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.booted
             .runtime

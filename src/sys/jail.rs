@@ -193,18 +193,20 @@ impl Jail {
     }
 
     fn build_and_pivot(&self) -> io::Result<()> {
-        fn ok(ret: libc::c_int) -> io::Result<()> {
-            if ret < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
+        self.mount_root()?;
+        for step in &self.steps {
+            step.apply()?;
         }
+        self.pivot()
+    }
+
+    /// A private mount namespace with an empty tmpfs at the jail's root.
+    fn mount_root(&self) -> io::Result<()> {
         let null = std::ptr::null::<libc::c_char>();
-        // SAFETY: (this and every block below) the calls take C strings prepared by the
-        // parent, which outlive the call (they belong to `self`), or null pointers where the
-        // kernel accepts them; they only change this (single-threaded, forked) process's
-        // mounts, working directory and root.
+        // SAFETY: (this and every block below, and in [`Step::apply`]) the calls take C
+        // strings prepared by the parent, which outlive the call (they belong to `self`),
+        // or null pointers where the kernel accepts them; they only change this
+        // (single-threaded, forked) process's mounts, working directory and root.
         unsafe {
             ok(libc::unshare(libc::CLONE_NEWNS))?;
             // Nothing mounted from here on propagates back to the host's namespace.
@@ -221,64 +223,15 @@ impl Jail {
                 c"tmpfs".as_ptr(),
                 libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
                 self.tmpfs_options.as_ptr().cast(),
-            ))?;
+            ))
         }
-        for step in &self.steps {
-            match step {
-                Step::Dir(dir) => {
-                    // SAFETY: see above.
-                    let ret = unsafe { libc::mkdir(dir.as_ptr(), 0o755) };
-                    if ret < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Step::File(file) => {
-                    // SAFETY: see above; the new fd is closed right away.
-                    let fd = unsafe {
-                        libc::open(
-                            file.as_ptr(),
-                            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
-                            0o644,
-                        )
-                    };
-                    ok(fd)?;
-                    // SAFETY: `fd` was just opened by this process.
-                    unsafe { libc::close(fd) };
-                }
-                Step::Symlink { target, link } => {
-                    // SAFETY: see above.
-                    ok(unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) })?;
-                }
-                Step::Bind {
-                    source,
-                    target,
-                    flags,
-                } => {
-                    // SAFETY: see above.
-                    ok(unsafe {
-                        libc::mount(
-                            source.as_ptr(),
-                            target.as_ptr(),
-                            null,
-                            libc::MS_BIND | libc::MS_REC,
-                            std::ptr::null(),
-                        )
-                    })?;
-                    // SAFETY: see above.
-                    ok(unsafe {
-                        libc::mount(
-                            null,
-                            target.as_ptr(),
-                            null,
-                            libc::MS_BIND | libc::MS_REMOUNT | flags,
-                            std::ptr::null(),
-                        )
-                    })?;
-                }
-            }
-        }
-        // SAFETY: see above. `pivot_root(".", ".")` stacks the old root on the new one;
-        // detaching it leaves only the jail (pivot_root(2), NOTES).
+    }
+
+    /// Makes the filled root read-only and the process's `/`.
+    fn pivot(&self) -> io::Result<()> {
+        let null = std::ptr::null::<libc::c_char>();
+        // SAFETY: see [`Jail::mount_root`]. `pivot_root(".", ".")` stacks the old root on
+        // the new one; detaching it leaves only the jail (pivot_root(2), NOTES).
         unsafe {
             ok(libc::mount(
                 null,
@@ -295,8 +248,77 @@ impl Jail {
             ok(libc::chdir(self.root.as_ptr()))?;
             ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;
             ok(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
-            ok(libc::chdir(c"/".as_ptr()))?;
+            ok(libc::chdir(c"/".as_ptr()))
         }
+    }
+}
+
+impl Step {
+    /// Makes one entry of the jail (in the forked child: no allocation).
+    fn apply(&self) -> io::Result<()> {
+        let null = std::ptr::null::<libc::c_char>();
+        match self {
+            Step::Dir(dir) => {
+                // SAFETY: see [`Jail::mount_root`].
+                let ret = unsafe { libc::mkdir(dir.as_ptr(), 0o755) };
+                if ret < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            }
+            Step::File(file) => {
+                // SAFETY: see [`Jail::mount_root`]; the new fd is closed right away.
+                let fd = unsafe {
+                    libc::open(
+                        file.as_ptr(),
+                        libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                        0o644,
+                    )
+                };
+                ok(fd)?;
+                // SAFETY: `fd` was just opened by this process.
+                unsafe { libc::close(fd) };
+                Ok(())
+            }
+            Step::Symlink { target, link } => {
+                // SAFETY: see [`Jail::mount_root`].
+                ok(unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) })
+            }
+            Step::Bind {
+                source,
+                target,
+                flags,
+            } => {
+                // SAFETY: see [`Jail::mount_root`].
+                ok(unsafe {
+                    libc::mount(
+                        source.as_ptr(),
+                        target.as_ptr(),
+                        null,
+                        libc::MS_BIND | libc::MS_REC,
+                        std::ptr::null(),
+                    )
+                })?;
+                // SAFETY: see [`Jail::mount_root`].
+                ok(unsafe {
+                    libc::mount(
+                        null,
+                        target.as_ptr(),
+                        null,
+                        libc::MS_BIND | libc::MS_REMOUNT | flags,
+                        std::ptr::null(),
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// A libc return value as a result (the error is `errno`).
+fn ok(ret: libc::c_int) -> io::Result<()> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
         Ok(())
     }
 }

@@ -112,17 +112,15 @@ impl Fixture {
 
     fn spec(&self, run: &str) -> VmSpec {
         VmSpec {
-            run_dir: self.dir.join(run),
-            kernel: self.kernel.clone(),
-            initramfs: self.initramfs.clone(),
+            host: HostPlumbing::local(self.dir.join(run), detect_accel(AccelMode::Auto).unwrap()),
+            machine: MachineConfig {
+                kernel: self.kernel.clone(),
+                initramfs: self.initramfs.clone(),
+                cpu_count: 1,
+                memory_mb: 256,
+            },
             kernel_args: vec!["agentenv.test=1".into(), "last=arg".into()],
-            cpu_count: 1,
-            memory_mb: 256,
             disk: self.disk.clone(),
-            netns: None,
-            tap: None,
-            accel: detect_accel(AccelMode::Auto).unwrap(),
-            qemu_binary: "qemu-system-x86_64".into(),
         }
     }
 }
@@ -191,7 +189,7 @@ fn boot_save_restore_kill() {
         return;
     };
     let spec = fx.spec("run");
-    let accel = spec.accel;
+    let accel = spec.host.accel;
     let started = Instant::now();
     let mut vm = Vm::spawn(spec).unwrap();
     let qmp_ms = started.elapsed().as_millis();
@@ -282,7 +280,7 @@ fn early_exit_reports_qemu_output() {
     };
     let mut spec = fx.spec("run");
     // Not a kernel: QEMU refuses it before the guest starts.
-    spec.kernel = fx.disk.clone();
+    spec.machine.kernel = fx.disk.clone();
     let e = Vm::spawn(spec).err().expect("spawn must fail");
     assert!(
         matches!(e, VmError::QemuExited { .. } | VmError::QmpIo { .. }),
@@ -290,7 +288,7 @@ fn early_exit_reports_qemu_output() {
     );
     eprintln!("{e}");
     let mut spec = fx.spec("run2");
-    spec.initramfs = fx.dir.join("missing.cpio");
+    spec.machine.initramfs = fx.dir.join("missing.cpio");
     let e = Vm::spawn(spec).err().expect("spawn must fail");
     assert!(e.to_string().contains("run scripts/setup.sh"), "{e}");
 }
@@ -333,8 +331,8 @@ fn tap_nic_inside_a_netns() {
         return;
     };
     let mut spec = fx.spec("run");
-    spec.netns = Some(std::fs::File::open(format!("/var/run/netns/{}", ns.0)).unwrap());
-    spec.tap = Some("tap0".into());
+    spec.host.netns = Some(std::fs::File::open(format!("/var/run/netns/{}", ns.0)).unwrap());
+    spec.host.tap = Some("tap0".into());
     let mut vm = Vm::spawn(spec).unwrap();
     vm.qmp().stop().unwrap();
     let our_ns = std::fs::read_link("/proc/self/ns/net").unwrap();

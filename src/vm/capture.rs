@@ -26,8 +26,9 @@ use serde::{Deserialize, Serialize};
 
 use super::dirty::{DirtyMemory, DIRTY_FORMAT};
 use super::disk::{self, disk_chain, DiskChain, MAX_CHAIN_LAYERS};
+use super::machine::{HostPlumbing, MachineConfig};
 use super::qemu::{Incoming, Launch, MemoryFile, Vm, VmSpec};
-use super::{Accel, VmError};
+use super::VmError;
 use crate::agent::{AgentClient, AgentError};
 
 /// The state file's name inside a capture directory.
@@ -71,12 +72,12 @@ pub struct CaptureRecord {
     /// [`CAPTURE_FORMAT`] when written.
     pub format: u32,
     pub captured_at_unix_ms: u64,
-    pub kernel: PathBuf,
-    pub initramfs: PathBuf,
+    /// Stored flat (`kernel`, `initramfs`, `cpuCount`, `memoryMb`), as before it had a
+    /// type of its own.
+    #[serde(flatten)]
+    pub machine: MachineConfig,
     /// The exact kernel command line the VM booted with; a restore must pass the same.
     pub kernel_cmdline: String,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
     /// "kvm" or "tcg": a state file restores only under the accelerator that saved it.
     pub accel: String,
     /// Whether the VM had a NIC (the device set must match on restore).
@@ -116,8 +117,11 @@ impl CaptureRecord {
     /// relative to its state dir).
     pub fn map_paths(&self, f: impl Fn(&Path) -> PathBuf) -> CaptureRecord {
         CaptureRecord {
-            kernel: f(&self.kernel),
-            initramfs: f(&self.initramfs),
+            machine: MachineConfig {
+                kernel: f(&self.machine.kernel),
+                initramfs: f(&self.machine.initramfs),
+                ..self.machine.clone()
+            },
             state_file: f(&self.state_file),
             memory_file: self.memory_file.as_deref().map(&f),
             disk: f(&self.disk),
@@ -184,17 +188,12 @@ pub struct RestoreStats {
 /// [`CaptureRecord`].
 #[derive(Debug)]
 pub struct RestoreSpec {
-    /// This VM's run dir (sockets, logs).
-    pub run_dir: PathBuf,
     /// The writable top layer: [`super::create_clone_disk`] for a clone, the record's
     /// `disk` to resume a paused sandbox.
     pub disk: PathBuf,
-    /// The network namespace to run in; must hold `tap` when the record has a NIC.
-    pub netns: Option<File>,
-    /// The tap device; required (and only allowed) when the record has a NIC.
-    pub tap: Option<String>,
-    pub accel: Accel,
-    pub qemu_binary: PathBuf,
+    /// Its `tap` is required (and only allowed) when the record has a NIC, and `netns`
+    /// must hold it.
+    pub host: HostPlumbing,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -384,11 +383,8 @@ impl Vm {
         CaptureRecord {
             format: CAPTURE_FORMAT,
             captured_at_unix_ms: unix_ms_now(),
-            kernel: self.facts.kernel.clone(),
-            initramfs: self.facts.initramfs.clone(),
+            machine: self.facts.machine.clone(),
             kernel_cmdline: self.facts.kernel_cmdline.clone(),
-            cpu_count: self.facts.cpu_count,
-            memory_mb: self.facts.memory_mb,
             accel: self.accel().name().into(),
             nic: self.facts.tap.is_some(),
             state_file: state,
@@ -842,22 +838,22 @@ fn check_restorable(record: &CaptureRecord, spec: &RestoreSpec) -> Result<(), Vm
             )))
         }
     }
-    if record.accel != spec.accel.name() {
+    if record.accel != spec.host.accel.name() {
         return Err(VmError::InvalidSpec(format!(
             "the capture was made under {} and cannot be restored under {}",
             record.accel,
-            spec.accel.name()
+            spec.host.accel.name()
         )));
     }
-    if record.nic != spec.tap.is_some() {
+    if record.nic != spec.host.tap.is_some() {
         return Err(VmError::InvalidSpec(format!(
             "the captured VM {} a NIC; the restore must match (tap)",
             if record.nic { "had" } else { "had no" }
         )));
     }
     let mut files = record.capture_files();
-    files.push(("guest kernel", &record.kernel));
-    files.push(("initramfs", &record.initramfs));
+    files.push(("guest kernel", &record.machine.kernel));
+    files.push(("initramfs", &record.machine.initramfs));
     for (what, path) in files {
         if !path.is_file() {
             return Err(VmError::MissingAsset {
@@ -880,17 +876,10 @@ fn restore_memory(record: &CaptureRecord) -> Option<MemoryFile> {
 
 fn vm_spec(record: &CaptureRecord, spec: RestoreSpec) -> VmSpec {
     VmSpec {
-        run_dir: spec.run_dir,
-        kernel: record.kernel.clone(),
-        initramfs: record.initramfs.clone(),
+        machine: record.machine.clone(),
         kernel_args: Vec::new(),
-        cpu_count: record.cpu_count,
-        memory_mb: record.memory_mb,
         disk: spec.disk,
-        netns: spec.netns,
-        tap: spec.tap,
-        accel: spec.accel,
-        qemu_binary: spec.qemu_binary,
+        host: spec.host,
     }
 }
 
@@ -940,11 +929,13 @@ mod tests {
         let record = CaptureRecord {
             format: CAPTURE_FORMAT,
             captured_at_unix_ms: 1,
-            kernel: "/a/vmlinux".into(),
-            initramfs: "/a/initramfs.img".into(),
+            machine: MachineConfig {
+                kernel: "/a/vmlinux".into(),
+                initramfs: "/a/initramfs.img".into(),
+                cpu_count: 1,
+                memory_mb: 256,
+            },
             kernel_cmdline: "console=ttyS0 x=1".into(),
-            cpu_count: 1,
-            memory_mb: 256,
             accel: "tcg".into(),
             nic: true,
             state_file: "/s/state.bin".into(),
@@ -964,18 +955,26 @@ mod tests {
             json.contains("\"kernelCmdline\":\"console=ttyS0 x=1\""),
             "{json}"
         );
+        // The machine is stored flat, as records written before it had a type.
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(value["cpuCount"], 1, "{json}");
+        assert_eq!(value["memoryMb"], 256, "{json}");
+        assert_eq!(value["kernel"], "/a/vmlinux", "{json}");
+        assert!(value.get("machine").is_none(), "{json}");
         let back: CaptureRecord = serde_json::from_str(&json).unwrap();
         assert_eq!(back, record);
 
         // Format 2 needs its pages and the template's RAM file, format 1 must not have
         // pages: anything else is refused before any file is looked at.
         let spec = RestoreSpec {
-            run_dir: "/r".into(),
+            host: HostPlumbing {
+                run_dir: "/r".into(),
+                netns: None,
+                tap: Some("tap0".into()),
+                accel: crate::vm::Accel::Tcg { tsc_khz: 1 },
+                qemu_binary: "qemu-system-x86_64".into(),
+            },
             disk: "/s/disk-1.qcow2".into(),
-            netns: None,
-            tap: Some("tap0".into()),
-            accel: Accel::Tcg { tsc_khz: 1 },
-            qemu_binary: "qemu-system-x86_64".into(),
         };
         let dirty = DirtyMemory {
             base_state: "/s/template-state.bin".into(),

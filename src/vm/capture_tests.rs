@@ -39,12 +39,8 @@ fn have_assets() -> bool {
 
 fn restore_spec(run_dir: PathBuf, disk: PathBuf) -> RestoreSpec {
     RestoreSpec {
-        run_dir,
+        host: HostPlumbing::local(run_dir, detect_accel(AccelMode::Auto).unwrap()),
         disk,
-        netns: None,
-        tap: None,
-        accel: detect_accel(AccelMode::Auto).unwrap(),
-        qemu_binary: "qemu-system-x86_64".into(),
     }
 }
 
@@ -104,17 +100,15 @@ fn fresh_guest(prefix: &str, dir: &str) -> (Scratch, PathBuf, VmSpec) {
     create_overlay(&image.base_disk, &guest.join("disk.qcow2"), 1024).unwrap();
     let assets = Path::new(ASSETS);
     let spec = VmSpec {
-        run_dir: guest.join("run"),
-        kernel: guest_kernel(assets),
-        initramfs: assets.join("initramfs.img"),
+        host: HostPlumbing::local(guest.join("run"), detect_accel(AccelMode::Auto).unwrap()),
+        machine: MachineConfig {
+            kernel: guest_kernel(assets),
+            initramfs: assets.join("initramfs.img"),
+            cpu_count: 1,
+            memory_mb: 256,
+        },
         kernel_args: vec!["agentenv.port=49983".into()],
-        cpu_count: 1,
-        memory_mb: 256,
         disk: guest.join("disk.qcow2"),
-        netns: None,
-        tap: None,
-        accel: detect_accel(AccelMode::Auto).unwrap(),
-        qemu_binary: "qemu-system-x86_64".into(),
     };
     (scratch, root, spec)
 }

@@ -570,7 +570,7 @@ impl Vm {
         let devices = devices_path(state);
         self.save_device_state(&devices)?;
         stats.migrate_ms = ms(t.elapsed());
-        let ram_bytes = u64::from(self.facts.memory_mb) << 20;
+        let ram_bytes = u64::from(self.facts.machine.memory_mb) << 20;
         let (pages_file, index, copied) = save_pages(self.pid(), &base.memory, ram_bytes, pages)?;
 
         let t = Instant::now();
@@ -628,7 +628,7 @@ impl Vm {
             .filter(|m| !m.shared)
             .map(|m| m.path.clone())
             .ok_or_else(|| VmError::InvalidSpec("the VM has no private RAM file".into()))?;
-        let ram_bytes = u64::from(self.facts.memory_mb) << 20;
+        let ram_bytes = u64::from(self.facts.machine.memory_mb) << 20;
         let written = write_back_pages(self.pid(), &memory, ram_bytes, &dirty.pages_file)?;
         let t = Instant::now();
         self.qmp().migrate_set_capabilities(MIGRATION_CAPS)?;

@@ -25,6 +25,7 @@ pub mod console;
 pub mod dirty;
 pub mod disk;
 pub mod exit;
+pub mod machine;
 pub mod qemu;
 pub mod qmp;
 mod uids;
@@ -43,6 +44,7 @@ pub use disk::{
     create_clone_disk, create_layer, create_overlay, disk_chain, next_layer_path, MAX_CHAIN_LAYERS,
 };
 pub use exit::VmExit;
+pub use machine::{HostPlumbing, MachineConfig};
 pub use qemu::{guest_kernel, kernel_cmdline, stop_boot_timer, MemoryFile, Vm, VmSpec, GUEST_MAC};
 pub use qmp::Qmp;
 

@@ -36,6 +36,7 @@ use serde_json::{json, Value};
 use super::accel::Accel;
 use super::console::tail_lines;
 use super::disk::{self, OpenChain};
+use super::machine::{HostPlumbing, MachineConfig};
 use super::qmp::{self, Qmp};
 use super::VmError;
 use crate::sys::jail::{Access, Credentials, Jail};
@@ -98,27 +99,13 @@ pub(crate) const BASE_NODE: &str = "base";
 /// Everything needed to start one guest.
 #[derive(Debug)]
 pub struct VmSpec {
-    /// Per-sandbox directory: console.log, qemu.log. Created if missing. (The sockets
-    /// live in a socket dir of their own.)
-    pub run_dir: PathBuf,
-    /// Guest kernel: a bzImage or a PVH `vmlinux` (see [`guest_kernel`]).
-    pub kernel: PathBuf,
-    pub initramfs: PathBuf,
+    pub machine: MachineConfig,
     /// Appended after the base arguments, in order; they appear verbatim in the guest's
     /// `/proc/cmdline`, so later ones win.
     pub kernel_args: Vec<String>,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
     /// The root disk, a qcow2 overlay (see [`super::create_overlay`]).
     pub disk: PathBuf,
-    /// The slot's network namespace; QEMU enters it before exec. `None`: the host's.
-    pub netns: Option<File>,
-    /// Tap device (inside `netns`) backing the guest NIC, normally [`GUEST_TAP`]. `None`:
-    /// the guest has no NIC.
-    pub tap: Option<String>,
-    pub accel: Accel,
-    /// Absolute, or looked up in PATH.
-    pub qemu_binary: PathBuf,
+    pub host: HostPlumbing,
 }
 
 /// The files of a VM inside its run dir.
@@ -410,7 +397,7 @@ fn build_argv(
     fds: &Inherited,
     launch: &Launch<'_>,
 ) -> Result<Vec<OsString>, VmError> {
-    if spec.cpu_count == 0 || spec.memory_mb == 0 {
+    if spec.machine.cpu_count == 0 || spec.machine.memory_mb == 0 {
         return Err(VmError::InvalidSpec(
             "cpu_count and memory_mb must be at least 1".into(),
         ));
@@ -433,7 +420,7 @@ fn push_machine_args(argv: &mut Vec<OsString>, spec: &VmSpec) -> Result<(), VmEr
     // RAM is always an explicit backend named "ram", so that every VM's RAM block has the
     // same name whether it is anonymous or a file, and any state file restores into either.
     let mut machine = String::from("microvm,acpi=on,auto-kernel-cmdline=off,memory-backend=ram");
-    let (accel, cpu) = match spec.accel {
+    let (accel, cpu) = match spec.host.accel {
         Accel::Kvm => ("kvm", "host"),
         Accel::Tcg { .. } => {
             // Without the PIT the guest randomly dies with a divide error at boot.
@@ -449,11 +436,11 @@ fn push_machine_args(argv: &mut Vec<OsString>, spec: &VmSpec) -> Result<(), VmEr
     // tells an operator (and `ps`) whose VM a process is.
     push(
         argv,
-        &["-name", &format!("guest={}", opt_path(&spec.run_dir)?)],
+        &["-name", &format!("guest={}", opt_path(&spec.host.run_dir)?)],
     );
     push(argv, &["-M", &machine, "-accel", accel, "-cpu", cpu]);
-    push(argv, &["-smp", &spec.cpu_count.to_string()]);
-    push(argv, &["-m", &format!("{}M", spec.memory_mb)]);
+    push(argv, &["-smp", &spec.machine.cpu_count.to_string()]);
+    push(argv, &["-m", &format!("{}M", spec.machine.memory_mb)]);
     push(
         argv,
         &[
@@ -471,13 +458,13 @@ fn push_boot_args(
     launch: &Launch<'_>,
 ) -> Result<(), VmError> {
     argv.push("-kernel".into());
-    argv.push(spec.kernel.clone().into_os_string());
+    argv.push(spec.machine.kernel.clone().into_os_string());
     argv.push("-initrd".into());
-    argv.push(spec.initramfs.clone().into_os_string());
+    argv.push(spec.machine.initramfs.clone().into_os_string());
     argv.push("-append".into());
     argv.push(match launch.cmdline {
         Some(cmdline) => cmdline.into(),
-        None => kernel_cmdline(spec.accel, &spec.kernel_args)?.into(),
+        None => kernel_cmdline(spec.host.accel, &spec.kernel_args)?.into(),
     });
     argv.push("-object".into());
     argv.push(match launch.memory {
@@ -485,7 +472,7 @@ fn push_boot_args(
         // never write a template's RAM file, and may not.
         Some(memory) => format!(
             "memory-backend-file,id=ram,size={}M,mem-path={},{}",
-            spec.memory_mb,
+            spec.machine.memory_mb,
             opt_path(&memory.path)?,
             if memory.shared {
                 "share=on"
@@ -494,7 +481,7 @@ fn push_boot_args(
             }
         )
         .into(),
-        None => format!("memory-backend-ram,id=ram,size={}M", spec.memory_mb).into(),
+        None => format!("memory-backend-ram,id=ram,size={}M", spec.machine.memory_mb).into(),
     });
     Ok(())
 }
@@ -518,7 +505,7 @@ fn push_device_args(
         ],
     );
     push_disk_args(argv, &fds.disk)?;
-    if let Some(tap) = &spec.tap {
+    if let Some(tap) = &spec.host.tap {
         if tap.is_empty() || tap.contains(',') || tap.len() > 15 {
             return Err(VmError::InvalidSpec(format!("bad tap device name {tap:?}")));
         }
@@ -633,11 +620,11 @@ fn log_spawn(
          kernel={} runDir={} incoming={} qmpMs={}",
         uid.map(|l| l.uid.to_string())
             .unwrap_or_else(|| VM_USER.into()),
-        spec.accel.name(),
-        spec.cpu_count,
-        spec.memory_mb,
+        spec.host.accel.name(),
+        spec.machine.cpu_count,
+        spec.machine.memory_mb,
         kernel.display(),
-        spec.run_dir.display(),
+        spec.host.run_dir.display(),
         !matches!(incoming, Incoming::None | Incoming::Held),
         started.elapsed().as_millis()
     );
@@ -647,8 +634,8 @@ fn log_spawn(
 /// creates its run dir.
 fn check_assets(spec: &VmSpec) -> Result<(), VmError> {
     for (what, path) in [
-        ("guest kernel", &spec.kernel),
-        ("initramfs", &spec.initramfs),
+        ("guest kernel", &spec.machine.kernel),
+        ("initramfs", &spec.machine.initramfs),
         ("root disk", &spec.disk),
     ] {
         if !path.is_file() {
@@ -658,9 +645,9 @@ fn check_assets(spec: &VmSpec) -> Result<(), VmError> {
             });
         }
     }
-    std::fs::create_dir_all(&spec.run_dir).map_err(|e| {
+    std::fs::create_dir_all(&spec.host.run_dir).map_err(|e| {
         VmError::io(
-            format!("cannot create VM run dir {}", spec.run_dir.display()),
+            format!("cannot create VM run dir {}", spec.host.run_dir.display()),
             e,
         )
     })
@@ -709,14 +696,14 @@ fn move_boot_files_into_jail(
         std::fs::canonicalize(path)
             .map_err(|e| VmError::io(format!("cannot resolve {}", path.display()), e))
     };
-    let (kernel, initramfs) = (spec.kernel.clone(), spec.initramfs.clone());
+    let (kernel, initramfs) = (spec.machine.kernel.clone(), spec.machine.initramfs.clone());
     let host = HostFiles {
         kernel: real(&kernel)?,
         initramfs: real(&initramfs)?,
         memory: memory.map(|m| m.path.clone()),
     };
-    spec.kernel = Path::new(JAIL_VM_DIR).join("kernel");
-    spec.initramfs = Path::new(JAIL_VM_DIR).join("initramfs");
+    spec.machine.kernel = Path::new(JAIL_VM_DIR).join("kernel");
+    spec.machine.initramfs = Path::new(JAIL_VM_DIR).join("initramfs");
     Ok((host, kernel, initramfs))
 }
 
@@ -736,9 +723,9 @@ fn open_inherited(
     };
     fds.qmp = passed.pass(bind(&paths.qmp_socket)?);
     fds.agent = passed.pass(bind(&paths.agent_socket)?);
-    if let Some(tap) = &spec.tap {
+    if let Some(tap) = &spec.host.tap {
         let open = || crate::sys::tun::open_tap(tap);
-        let file = match &spec.netns {
+        let file = match &spec.host.netns {
             Some(ns) => crate::sys::netns::with_netns(ns, open),
             None => open(),
         }
@@ -954,12 +941,10 @@ impl Drop for ChildGuard {
 /// What a VM was started with: what a capture records so that a restore reproduces it.
 #[derive(Debug, Clone)]
 pub(crate) struct VmFacts {
-    pub kernel: PathBuf,
-    pub initramfs: PathBuf,
+    /// With the host's paths of the boot files (QEMU sees them inside its jail).
+    pub machine: MachineConfig,
     /// The exact `-append` string.
     pub kernel_cmdline: String,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
     /// The disk QEMU writes to now (the top of its qcow2 chain); a disk freeze moves it.
     pub disk: PathBuf,
     /// Its block node name in QEMU.
@@ -1041,19 +1026,19 @@ impl Vm {
     }
 
     pub(crate) fn start(mut spec: VmSpec, launch: Launch<'_>) -> Result<Vm, VmError> {
-        let binary = resolve_binary(&spec.qemu_binary)?;
+        let binary = resolve_binary(&spec.host.qemu_binary)?;
         check_assets(&spec)?;
-        let (credentials, uid) = qemu_credentials(spec.accel)?;
+        let (credentials, uid) = qemu_credentials(spec.host.accel)?;
         let sockets = SocketDir::create()?;
-        let paths = RunPaths::new(&spec.run_dir, &sockets.path);
+        let paths = RunPaths::new(&spec.host.run_dir, &sockets.path);
         check_socket_paths(&paths)?;
         let cmdline = match launch.cmdline {
             Some(c) => c.to_owned(),
-            None => kernel_cmdline(spec.accel, &spec.kernel_args)?,
+            None => kernel_cmdline(spec.host.accel, &spec.kernel_args)?,
         };
         let memory = match launch.memory {
             Some(m) => Some(MemoryFile {
-                path: prepare_memory_file(m, spec.memory_mb, &credentials)?,
+                path: prepare_memory_file(m, spec.machine.memory_mb, &credentials)?,
                 shared: m.shared,
             }),
             None => None,
@@ -1072,7 +1057,13 @@ impl Vm {
         let mut passed = PassedFds::new();
         let (fds, node_count) = open_inherited(&spec, &paths, launch.incoming, &mut passed)?;
         let argv = build_argv(&spec, &fds, &launch)?;
-        let jail = plan_jail(&sockets.path, &binary, spec.accel, &host, memory.as_ref())?;
+        let jail = plan_jail(
+            &sockets.path,
+            &binary,
+            spec.host.accel,
+            &host,
+            memory.as_ref(),
+        )?;
         let started = Instant::now();
         let (child, console_out) = spawn_jailed(
             &binary,
@@ -1080,7 +1071,7 @@ impl Vm {
             &paths,
             passed,
             ChildSetup {
-                netns: spec.netns.as_ref().map(|f| f.as_raw_fd()),
+                netns: spec.host.netns.as_ref().map(|f| f.as_raw_fd()),
                 parent_death_signal: Some(libc::SIGKILL),
                 fds: Vec::new(),
                 jail: Some(jail),
@@ -1101,18 +1092,19 @@ impl Vm {
         log_spawn(pid, uid.as_ref(), &spec, &kernel, launch.incoming, started);
         let top = fds.disk.last().expect("a chain has a top");
         let facts = VmFacts {
-            kernel,
-            initramfs,
+            machine: MachineConfig {
+                kernel,
+                initramfs,
+                ..spec.machine
+            },
             kernel_cmdline: cmdline,
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
             disk: spec.disk,
             disk_node: top.name.clone(),
             disk_backing: top.backing.clone(),
             disk_nodes_added: node_count,
-            tap: spec.tap,
+            tap: spec.host.tap,
             memory,
-            run_dir: spec.run_dir,
+            run_dir: spec.host.run_dir,
             base_state: None,
         };
         Ok(Vm {
@@ -1122,7 +1114,7 @@ impl Vm {
             paths,
             _sockets: sockets,
             console: Some(console),
-            accel: spec.accel,
+            accel: spec.host.accel,
             facts,
             migration_tuned: false,
             _uid: uid,
@@ -1319,17 +1311,21 @@ mod tests {
 
     fn spec(accel: Accel) -> VmSpec {
         VmSpec {
-            run_dir: "/run/agentenv/sb1".into(),
-            kernel: "/assets/vmlinux".into(),
-            initramfs: "/assets/initramfs.img".into(),
+            host: HostPlumbing {
+                run_dir: "/run/agentenv/sb1".into(),
+                netns: None,
+                tap: Some(GUEST_TAP.into()),
+                accel,
+                qemu_binary: "qemu-system-x86_64".into(),
+            },
+            machine: MachineConfig {
+                kernel: "/assets/vmlinux".into(),
+                initramfs: "/assets/initramfs.img".into(),
+                cpu_count: 2,
+                memory_mb: 512,
+            },
             kernel_args: vec!["agentenv.port=49983".into(), "init=/init".into()],
-            cpu_count: 2,
-            memory_mb: 512,
             disk: "/disks/a,b.qcow2".into(),
-            netns: None,
-            tap: Some(GUEST_TAP.into()),
-            accel,
-            qemu_binary: "qemu-system-x86_64".into(),
         }
     }
 
@@ -1476,7 +1472,7 @@ mod tests {
     #[test]
     fn no_nic_and_incoming() {
         let mut s = spec(Accel::Kvm);
-        s.tap = None;
+        s.host.tap = None;
         let a = argv(&s, Some(Path::new("/state/mem.bin")));
         assert!(!a.iter().any(|x| x == "-netdev" || x.contains("virtio-net")));
         assert_eq!(value(&a, "-incoming"), "file:/dev/fdset/11");
@@ -1511,10 +1507,10 @@ mod tests {
         let e = build_argv(&s, &paths, &launch(None)).unwrap_err();
         assert!(e.to_string().contains("kernel command line"), "{e}");
         let mut s = spec(Accel::Kvm);
-        s.tap = Some("tap0,script=/bin/evil".into());
+        s.host.tap = Some("tap0,script=/bin/evil".into());
         assert!(build_argv(&s, &paths, &launch(None)).is_err());
         let mut s = spec(Accel::Kvm);
-        s.cpu_count = 0;
+        s.machine.cpu_count = 0;
         assert!(build_argv(&s, &paths, &launch(None)).is_err());
     }
 
