@@ -148,42 +148,6 @@ fn get_with(s: &Server, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     }
 }
 
-/// `sh -c script` through envd's `process.Process/Start` (a Connect server stream) on
-/// `s`, as the SDKs run commands: its stdout and exit code.
-fn envd_sh(s: &Server, id: &str, token: &str, script: &str) -> (String, i64) {
-    use base64::Engine;
-    let msg =
-        json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": false}).to_string();
-    let mut body = vec![0u8];
-    body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    body.extend_from_slice(msg.as_bytes());
-    let resp = ureq::post(&format!("{}/process.Process/Start", s.base))
-        .set("E2b-Sandbox-Id", id)
-        .set("X-Access-Token", token)
-        .set("Content-Type", "application/connect+json")
-        .timeout(Duration::from_secs(60))
-        .send_bytes(&body)
-        .unwrap_or_else(|e| panic!("envd Start via {}: {e}", s.base));
-    let mut raw = Vec::new();
-    std::io::Read::read_to_end(&mut resp.into_reader(), &mut raw).unwrap();
-    let (mut stdout, mut exit, mut rest) = (String::new(), -1, &raw[..]);
-    while rest.len() >= 5 {
-        let len = u32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
-        let v: serde_json::Value = serde_json::from_slice(&rest[5..5 + len]).unwrap();
-        if let Some(out) = v["event"]["data"]["stdout"].as_str() {
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(out)
-                .unwrap();
-            stdout.push_str(&String::from_utf8_lossy(&bytes));
-        }
-        if let Some(end) = v["event"].get("end") {
-            exit = end["exitCode"].as_i64().unwrap_or(0);
-        }
-        rest = &rest[5 + len..];
-    }
-    (stdout, exit)
-}
-
 /// The value of the series `series` in `s`'s `/metrics` (0 when absent).
 fn metric(s: &Server, series: &str) -> u64 {
     let (code, v) = s.call("GET", "/metrics", None);
