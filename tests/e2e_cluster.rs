@@ -148,6 +148,43 @@ fn get_with(s: &Server, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     }
 }
 
+/// Opens the console's terminal for `id` on `s`, types `keys`, and returns what the PTY
+/// printed until `want` appeared (bounded: 30 s, 1 MiB).
+fn terminal_through(s: &Server, id: &str, keys: &str, want: &str) -> String {
+    use tungstenite::client::IntoClientRequest;
+    use tungstenite::Message;
+    let host = s.base.trim_start_matches("http://");
+    let url = format!("ws://{host}/console/terminal/{id}?cols=80&rows=24");
+    let mut request = url.into_client_request().unwrap();
+    let protocols = format!("agentenv.terminal, agentenv.key.{API_KEY}");
+    request
+        .headers_mut()
+        .insert("Sec-WebSocket-Protocol", protocols.parse().unwrap());
+    let stream = std::net::TcpStream::connect(host).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let (mut ws, answer) = tungstenite::client::client(request, stream)
+        .unwrap_or_else(|e| panic!("terminal upgrade via {host}: {e}"));
+    assert_eq!(answer.status(), 101);
+    let input = json!({"type": "input", "data": keys}).to_string();
+    ws.send(Message::text(input)).unwrap();
+    let (started, mut seen) = (std::time::Instant::now(), String::new());
+    while !seen.contains(want) && started.elapsed() < Duration::from_secs(30) {
+        match ws
+            .read()
+            .unwrap_or_else(|e| panic!("terminal read: {e}; saw {seen:?}"))
+        {
+            Message::Binary(b) => seen.push_str(&String::from_utf8_lossy(&b)),
+            Message::Text(t) => seen.push_str(t.as_str()),
+            _ => {}
+        }
+        assert!(seen.len() < 1 << 20, "a flood: {}", seen.len());
+    }
+    let _ = ws.close(None);
+    seen
+}
+
 /// The value of the series `series` in `s`'s `/metrics` (0 when absent).
 fn metric(s: &Server, series: &str) -> u64 {
     let (code, v) = s.call("GET", "/metrics", None);
@@ -235,6 +272,11 @@ fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
         assert_eq!(metric(c.node("n3"), refused), 1);
         let sent_on = "agentenv_cluster_forwarded_total{node=\"n1\",result=\"answered\"}";
         assert_eq!(metric(c.node("n3"), sent_on), 0, "n3 sent nothing on");
+
+        // The console's terminal (a WebSocket: an upgrade, then a byte tunnel both ways)
+        // through n2 to n1's sandbox.
+        let typed = terminal_through(b, &id, "echo ws-$((40+2))-across\n", "ws-42-across");
+        assert!(typed.contains("ws-42-across"), "{typed}");
 
         // Deleted through n2: gone on n1.
         let (code, v) = b.call("DELETE", &format!("/sandboxes/{id}"), None);
