@@ -413,7 +413,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
                 via.base
             );
             let (v1, _) = listed(via, "/sandboxes?metadata=i%3Db", "sandboxID");
-            assert_eq!(v1, [b.clone()], "v1 filtered via {}", via.base);
+            assert_eq!(v1, [b.as_str()], "v1 filtered via {}", via.base);
             let (v2, next) = listed(via, "/v2/sandboxes", "sandboxID");
             assert_eq!(
                 (sorted(v2), next),
@@ -428,7 +428,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
                 walk_v2(via, "metadata=suite%3Dlists"),
                 [b.clone(), a.clone()]
             );
-            assert_eq!(walk_v2(via, "metadata=i%3Da"), [a.clone()]);
+            assert_eq!(walk_v2(via, "metadata=i%3Da"), [a.as_str()]);
             assert!(walk_v2(via, "metadata=i%3Dnone").is_empty());
         }
         // A node asked on behalf of another answers its own alone.
@@ -480,10 +480,10 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         // n2 SIGKILLed: its sandbox is left out, its metrics too; counted and logged.
         c.node_mut("n2").crash();
         let (v2, _) = listed(c.node("n1"), "/v2/sandboxes", "sandboxID");
-        assert_eq!(v2, [a.clone()]);
+        assert_eq!(v2, [a.as_str()]);
         let (v1, _) = listed(c.node("n3"), "/sandboxes", "sandboxID");
-        assert_eq!(v1, [a.clone()]);
-        assert_eq!(sampled(c.node("n3"), &[&a, &b]), [a.clone()]);
+        assert_eq!(v1, [a.as_str()]);
+        assert_eq!(sampled(c.node("n3"), &[&a, &b]), [a.as_str()]);
         let unreachable = "agentenv_cluster_list_partial_total{node=\"n2\",reason=\"unreachable\"}";
         let silent = "agentenv_cluster_list_partial_total{node=\"n2\",reason=\"silent\"}";
         let left = |s: &Server| metric(s, unreachable) + metric(s, silent);
@@ -495,7 +495,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         let before = metric(c.node("n1"), silent);
         assert_eq!(
             listed(c.node("n1"), "/v2/sandboxes", "sandboxID").0,
-            [a.clone()]
+            [a.as_str()]
         );
         assert_eq!(metric(c.node("n1"), silent), before + 1);
 
