@@ -4,7 +4,9 @@
 //! as it is. Creates through HAProxy spread over the nodes and their ids name the node; a
 //! command runs on each; a node SIGKILLed fails HAProxy's health check, leaves no QEMU, and
 //! creates go on on the others; restarted, it passes the check again and takes creates;
-//! at the end nothing is left on any node nor on the host.
+//! lists and metrics asked of any node answer every node's sandboxes, a stopped or killed
+//! node left out within the peer timeout; at the end nothing is left on any node nor on
+//! the host.
 
 mod common;
 
