@@ -407,22 +407,17 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         let b = id_of(&c.node("n2").create(mine("b")));
         let both = sorted(vec![a.clone(), b.clone()]);
         for via in c.nodes.iter().chain([&c.lb]) {
-            let (v1, next) = listed(via, "/sandboxes", "sandboxID");
-            assert_eq!(
-                (sorted(v1), next),
-                (both.clone(), None),
-                "v1 via {}",
-                via.base
-            );
+            for path in ["/sandboxes", "/v2/sandboxes"] {
+                let (all, next) = listed(via, path, "sandboxID");
+                assert_eq!(
+                    (sorted(all), next),
+                    (both.clone(), None),
+                    "{path} via {}",
+                    via.base
+                );
+            }
             let (v1, _) = listed(via, "/sandboxes?metadata=i%3Db", "sandboxID");
             assert_eq!(v1, [b.as_str()], "v1 filtered via {}", via.base);
-            let (v2, next) = listed(via, "/v2/sandboxes", "sandboxID");
-            assert_eq!(
-                (sorted(v2), next),
-                (both.clone(), None),
-                "v2 via {}",
-                via.base
-            );
             // Newest first, one page each, the token valid across the nodes.
             assert_eq!(walk_v2(via, ""), [b.clone(), a.clone()], "via {}", via.base);
             assert_eq!(walk_v2(via, "order=asc"), [a.clone(), b.clone()]);
