@@ -349,16 +349,16 @@ fn listed(s: &Server, path: &str, id_field: &str) -> (Vec<String>, Option<String
     (ids, next)
 }
 
-/// The sandbox ids of `GET /v2/sandboxes?<query>` on `s`, walked page by page with
-/// `limit=1` and `nextToken`; each page holds one item.
-fn walk_v2(s: &Server, query: &str) -> Vec<String> {
+/// The `id_field`s of `GET <list>?<query>` on `s`, walked page by page with `limit=1`
+/// and `nextToken`; each page holds one item.
+fn walk(s: &Server, list: &str, query: &str, id_field: &str) -> Vec<String> {
     let (mut all, mut token) = (Vec::new(), None::<String>);
     for _ in 0..10 {
-        let mut path = format!("/v2/sandboxes?limit=1&{query}");
+        let mut path = format!("{list}?limit=1&{query}");
         if let Some(t) = &token {
             path.push_str(&format!("&nextToken={t}"));
         }
-        let (ids, next) = listed(s, &path, "sandboxID");
+        let (ids, next) = listed(s, &path, id_field);
         assert!(ids.len() <= 1, "{path}: {ids:?}");
         all.extend(ids);
         match next {
@@ -366,7 +366,12 @@ fn walk_v2(s: &Server, query: &str) -> Vec<String> {
             None => return all,
         }
     }
-    panic!("paging via {} never ended: {all:?}", s.base);
+    panic!("paging {list} via {} never ended: {all:?}", s.base);
+}
+
+/// [`walk`] over `GET /v2/sandboxes`.
+fn walk_v2(s: &Server, query: &str) -> Vec<String> {
+    walk(s, "/v2/sandboxes", query, "sandboxID")
 }
 
 /// Sorted, to compare as sets.
@@ -428,6 +433,31 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
             assert_eq!(walk_v2(via, "metadata=i%3Da"), [a.as_str()]);
             assert!(walk_v2(via, "metadata=i%3Dnone").is_empty());
         }
+        // A snapshot of each, captured on its owner through n3: newest first, paged, via
+        // any node.
+        let snapshot = |id: &str| {
+            let path = format!("/sandboxes/{id}/snapshots");
+            let (code, v) = c.node("n3").call("POST", &path, Some(json!({})));
+            assert_eq!(code, 201, "{v}");
+            v["snapshotID"].as_str().unwrap().to_string()
+        };
+        let (sa, sb) = (snapshot(&a), snapshot(&b));
+        for via in &c.nodes {
+            let walked = walk(via, "/snapshots", "", "snapshotID");
+            assert_eq!(walked, [sb.as_str(), sa.as_str()], "via {}", via.base);
+            let (of_b, _) = listed(via, &format!("/snapshots?sandboxID={b}"), "snapshotID");
+            assert_eq!(of_b, [sb.as_str()], "via {}", via.base);
+        }
+        for (owner, snap) in [("n1", &sa), ("n2", &sb)] {
+            let (code, v) = c
+                .node(owner)
+                .call("DELETE", &format!("/templates/{snap}"), None);
+            assert_eq!(code, 204, "{v}");
+        }
+        assert!(listed(c.node("n3"), "/snapshots", "snapshotID")
+            .0
+            .is_empty());
+
         // A node asked on behalf of another answers its own alone.
         let own = [("X-API-Key", API_KEY), ("X-Aenv-Forwarded-By", "n3")];
         let (code, text) = get_with(c.node("n2"), "/v2/sandboxes", &own);
