@@ -17,7 +17,7 @@ use super::envd_proxy::header;
 use super::{ApiError, Context, Reply};
 use crate::cluster::ask::{Answer, AskError};
 use crate::cluster::id::{is_sandbox_id, node_of};
-use crate::cluster::{Cluster, PartialReason, FORWARDED_BY};
+use crate::cluster::{Cluster, Label, FORWARDED_BY};
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use tiny_http::Request;
@@ -213,11 +213,12 @@ fn page_of(listing: Listing, answer: Answer, path: &str) -> Result<Page, AskErro
 
 /// Logs and counts a peer left out of a merged answer.
 fn left_out(cluster: &Cluster, node: &str, path: &str, e: &AskError) {
+    let reason = e.reason();
     log::warn!(
         "op=cluster_merge node={node} path={path} reason={} error=\"{e}\" (left out of the answer)",
-        e.reason()
+        reason.label()
     );
-    cluster.partial.record(node, PartialReason(e.reason()));
+    cluster.partial.record(node, reason);
 }
 
 /// `GET /sandboxes/metrics`: the newest samples of those of `ids` other nodes own, each
@@ -413,7 +414,7 @@ mod tests {
         );
         let no_time = json!([{"sandboxID": format!("{UUID}1-n2")}]);
         let err = page_of(Listing::SandboxesV2, answer(no_time), p).unwrap_err();
-        assert_eq!(err.reason(), "bad_answer");
+        assert_eq!(err.reason().label(), "bad_answer");
         let bad_id = json!([{"sandboxID": "../x", "startedAt": "2026-12-01T00:00:00.000Z"}]);
         assert!(page_of(Listing::SandboxesV2, answer(bad_id), p).is_err());
         let good = json!([sandbox(1, "n2", 1)]);

@@ -27,15 +27,37 @@ pub enum AskError {
     BadAnswer { path: String, why: String },
 }
 
-impl AskError {
-    /// The `reason` label of `agentenv_cluster_list_partial_total`.
-    pub fn reason(&self) -> &'static str {
+/// Why a peer was left out of a merged answer: the `reason` label of
+/// `agentenv_cluster_list_partial_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PartialReason {
+    Unknown,
+    Silent,
+    Unreachable,
+    BadAnswer,
+}
+
+impl super::Label for PartialReason {
+    const NAME: &'static str = "reason";
+    fn label(self) -> &'static str {
         match self {
-            AskError::Unknown => "unknown",
-            AskError::Silent(_) => "silent",
-            AskError::Transport(_) => "unreachable",
+            PartialReason::Unknown => "unknown",
+            PartialReason::Silent => "silent",
+            PartialReason::Unreachable => "unreachable",
+            PartialReason::BadAnswer => "bad_answer",
+        }
+    }
+}
+
+impl AskError {
+    /// What kind of failure this is, as counted.
+    pub fn reason(&self) -> PartialReason {
+        match self {
+            AskError::Unknown => PartialReason::Unknown,
+            AskError::Silent(_) => PartialReason::Silent,
+            AskError::Transport(_) => PartialReason::Unreachable,
             AskError::Status { .. } | AskError::TooLarge { .. } | AskError::BadAnswer { .. } => {
-                "bad_answer"
+                PartialReason::BadAnswer
             }
         }
     }
@@ -132,6 +154,7 @@ pub fn at_once<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::Label;
 
     #[test]
     fn at_once_keeps_the_order() {
@@ -149,13 +172,12 @@ mod tests {
             code: 500,
         };
         assert_eq!(
-            (e.reason(), e.to_string().as_str()),
+            (e.reason().label(), e.to_string().as_str()),
             ("bad_answer", "GET /v2/sandboxes answered 500")
         );
-        assert_eq!(AskError::Silent("timed out".into()).reason(), "silent");
-        assert_eq!(
-            AskError::Transport("refused".into()).reason(),
-            "unreachable"
-        );
+        let silent = AskError::Silent("timed out".into()).reason();
+        assert_eq!(silent.label(), "silent");
+        let refused = AskError::Transport("refused".into()).reason();
+        assert_eq!(refused.label(), "unreachable");
     }
 }

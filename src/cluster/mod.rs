@@ -12,6 +12,7 @@ pub mod peer;
 pub mod peers;
 
 use crate::config::ClusterConfig;
+pub use ask::PartialReason;
 use ask::{Answer, AskError};
 use parking_lot::Mutex;
 use peer::PeerUrl;
@@ -164,18 +165,6 @@ impl Label for ForwardResult {
             ForwardResult::Unreachable => "unreachable",
             ForwardResult::Refused => "refused",
         }
-    }
-}
-
-/// Why a peer was left out of a merged answer: the `reason` label of
-/// `agentenv_cluster_list_partial_total` (from [`AskError::reason`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct PartialReason(pub &'static str);
-
-impl Label for PartialReason {
-    const NAME: &'static str = "reason";
-    fn label(self) -> &'static str {
-        self.0
     }
 }
 
