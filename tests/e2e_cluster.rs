@@ -4,7 +4,9 @@
 //! as it is. Creates through HAProxy spread over the nodes and their ids name the node; a
 //! command runs on each; a node SIGKILLed fails HAProxy's health check, leaves no QEMU, and
 //! creates go on on the others; restarted, it passes the check again and takes creates;
-//! at the end nothing is left on any node nor on the host.
+//! lists and metrics asked of any node answer every node's sandboxes, a stopped or killed
+//! node left out within the peer timeout; at the end nothing is left on any node nor on
+//! the host.
 
 mod common;
 
@@ -328,6 +330,216 @@ fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
         let (code, v) = b.call("DELETE", &format!("/sandboxes/{paused}"), None);
         assert_eq!(code, 204, "{v}");
 
+        stop_all_leaving_nothing(&mut c);
+    }
+    let left = host_leftovers();
+    assert!(left.is_empty(), "the harness left {left:?}");
+}
+
+/// `GET path` on `s` with the API key: the listed items' `id_field`s in order, the
+/// `X-Next-Token` if any.
+fn listed(s: &Server, path: &str, id_field: &str) -> (Vec<String>, Option<String>) {
+    let r = ureq::get(&format!("{}{path}", s.base))
+        .set("X-API-Key", API_KEY)
+        .timeout(Duration::from_secs(30))
+        .call()
+        .unwrap_or_else(|e| panic!("GET {path} via {}: {e}", s.base));
+    let next = r.header("X-Next-Token").map(str::to_string);
+    let v: serde_json::Value = r.into_json().unwrap();
+    let ids = v
+        .as_array()
+        .unwrap_or_else(|| panic!("{path}: {v}"))
+        .iter()
+        .map(|i| i[id_field].as_str().unwrap().to_string())
+        .collect();
+    (ids, next)
+}
+
+/// The `id_field`s of `GET <list>?<query>` on `s`, walked page by page with `limit=1`
+/// and `nextToken`; each page holds one item.
+fn walk(s: &Server, list: &str, query: &str, id_field: &str) -> Vec<String> {
+    let (mut all, mut token) = (Vec::new(), None::<String>);
+    for _ in 0..10 {
+        let mut path = format!("{list}?limit=1&{query}");
+        if let Some(t) = &token {
+            path.push_str(&format!("&nextToken={t}"));
+        }
+        let (ids, next) = listed(s, &path, id_field);
+        assert!(ids.len() <= 1, "{path}: {ids:?}");
+        all.extend(ids);
+        match next {
+            Some(t) => token = Some(t),
+            None => return all,
+        }
+    }
+    panic!("paging {list} via {} never ended: {all:?}", s.base);
+}
+
+/// [`walk`] over `GET /v2/sandboxes`.
+fn walk_v2(s: &Server, query: &str) -> Vec<String> {
+    walk(s, "/v2/sandboxes", query, "sandboxID")
+}
+
+/// Sorted, to compare as sets.
+fn sorted(mut v: Vec<String>) -> Vec<String> {
+    v.sort();
+    v
+}
+
+/// The ids `GET /sandboxes/metrics?sandbox_ids=…` on `s` has a sample of.
+fn sampled(s: &Server, ids: &[&str]) -> Vec<String> {
+    let path = format!("/sandboxes/metrics?sandbox_ids={}", ids.join(","));
+    let (code, v) = s.call("GET", &path, None);
+    assert_eq!(code, 200, "{v}");
+    let found = v["sandboxes"].as_object().unwrap();
+    for m in found.values() {
+        assert!(m["memTotal"].as_u64().unwrap() > 0, "{v}");
+    }
+    sorted(found.keys().cloned().collect())
+}
+
+#[test]
+fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
+    let _one = serial();
+    {
+        let mut c = Cluster::start();
+        for a in NODES {
+            for b in NODES.iter().filter(|b| **b != a) {
+                must(
+                    Duration::from_secs(20),
+                    &format!("{a} never found {b}"),
+                    || knows(c.node(a), b),
+                );
+            }
+        }
+        // One sandbox made directly on n1, then one on n2; n3 holds none.
+        let mine = |i: &str| json!({"image": base_image(), "timeout": 600, "metadata": {"suite": "lists", "i": i}});
+        let a = id_of(&c.node("n1").create(mine("a")));
+        let b = id_of(&c.node("n2").create(mine("b")));
+        let both = sorted(vec![a.clone(), b.clone()]);
+        for via in c.nodes.iter().chain([&c.lb]) {
+            for path in ["/sandboxes", "/v2/sandboxes"] {
+                let (all, next) = listed(via, path, "sandboxID");
+                assert_eq!(
+                    (sorted(all), next),
+                    (both.clone(), None),
+                    "{path} via {}",
+                    via.base
+                );
+            }
+            let (v1, _) = listed(via, "/sandboxes?metadata=i%3Db", "sandboxID");
+            assert_eq!(v1, [b.as_str()], "v1 filtered via {}", via.base);
+            // Newest first, one page each, the token valid across the nodes.
+            assert_eq!(walk_v2(via, ""), [b.clone(), a.clone()], "via {}", via.base);
+            assert_eq!(walk_v2(via, "order=asc"), [a.clone(), b.clone()]);
+            assert_eq!(
+                walk_v2(via, "metadata=suite%3Dlists"),
+                [b.clone(), a.clone()]
+            );
+            assert_eq!(walk_v2(via, "metadata=i%3Da"), [a.as_str()]);
+            assert!(walk_v2(via, "metadata=i%3Dnone").is_empty());
+        }
+        // A snapshot of each, captured on its owner through n3: newest first, paged, via
+        // any node.
+        let snapshot = |id: &str| {
+            let path = format!("/sandboxes/{id}/snapshots");
+            let (code, v) = c.node("n3").call("POST", &path, Some(json!({})));
+            assert_eq!(code, 201, "{v}");
+            v["snapshotID"].as_str().unwrap().to_string()
+        };
+        let (sa, sb) = (snapshot(&a), snapshot(&b));
+        for via in &c.nodes {
+            let walked = walk(via, "/snapshots", "", "snapshotID");
+            assert_eq!(walked, [sb.as_str(), sa.as_str()], "via {}", via.base);
+            let (of_b, _) = listed(via, &format!("/snapshots?sandboxID={b}"), "snapshotID");
+            assert_eq!(of_b, [sb.as_str()], "via {}", via.base);
+        }
+        for (owner, snap) in [("n1", &sa), ("n2", &sb)] {
+            let (code, v) = c
+                .node(owner)
+                .call("DELETE", &format!("/templates/{snap}"), None);
+            assert_eq!(code, 204, "{v}");
+        }
+        assert!(listed(c.node("n3"), "/snapshots", "snapshotID")
+            .0
+            .is_empty());
+
+        // A node asked on behalf of another answers its own alone.
+        let own = [("X-API-Key", API_KEY), ("X-Aenv-Forwarded-By", "n3")];
+        let (code, text) = get_with(c.node("n2"), "/v2/sandboxes", &own);
+        assert_eq!(code, 200, "{text}");
+        assert!(text.contains(&b) && !text.contains(&a), "{text}");
+        // Templates: each id once, every node's.
+        for path in ["/templates", "/v2/templates"] {
+            let (merged, _) = listed(c.node("n1"), path, "templateID");
+            let mut union = Vec::new();
+            for name in NODES {
+                let (code, text) = get_with(c.node(name), path, &own);
+                assert_eq!(code, 200, "{text}");
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                for t in v.as_array().unwrap() {
+                    union.push(t["templateID"].as_str().unwrap().to_string());
+                }
+            }
+            union.sort();
+            union.dedup();
+            assert_eq!(sorted(merged.clone()), union, "{path}");
+            assert_eq!(merged.len(), union.len(), "{path} lists a template twice");
+        }
+
+        // Metrics of ids on two nodes, asked of each node (n3 owns neither).
+        must(Duration::from_secs(30), "no samples of both", || {
+            sampled(c.node("n3"), &[&a, &b]) == both
+        });
+        assert_eq!(sampled(c.node("n1"), &[&a, &b]), both);
+        assert_eq!(sampled(c.node("n2"), &[&a, &b]), both);
+
+        // n3 stopped (SIGSTOP: it takes connections and never answers): lists via n1
+        // wait at most the peer timeout (2 s) for it.
+        let n3 = c.node("n3").child.as_ref().unwrap().id().to_string();
+        run("kill", &["-STOP", &n3]);
+        let asked = std::time::Instant::now();
+        let (v2, _) = listed(c.node("n1"), "/v2/sandboxes", "sandboxID");
+        let took = asked.elapsed();
+        run("kill", &["-CONT", &n3]);
+        assert_eq!(sorted(v2), both);
+        assert!(took < Duration::from_secs(3), "the list took {took:?}");
+        let log = c.node("n1").log();
+        assert!(
+            log.contains("op=cluster_merge node=n3 path=/v2/sandboxes"),
+            "n1 did not log leaving n3 out"
+        );
+
+        // n2 SIGKILLed: its sandbox is left out, its metrics too; counted and logged.
+        c.node_mut("n2").crash();
+        let (v2, _) = listed(c.node("n1"), "/v2/sandboxes", "sandboxID");
+        assert_eq!(v2, [a.as_str()]);
+        let (v1, _) = listed(c.node("n3"), "/sandboxes", "sandboxID");
+        assert_eq!(v1, [a.as_str()]);
+        assert_eq!(sampled(c.node("n3"), &[&a, &b]), [a.as_str()]);
+        let unreachable = "agentenv_cluster_list_partial_total{node=\"n2\",reason=\"unreachable\"}";
+        let silent = "agentenv_cluster_list_partial_total{node=\"n2\",reason=\"silent\"}";
+        let left = |s: &Server| metric(s, unreachable) + metric(s, silent);
+        assert!(left(c.node("n1")) >= 1 && left(c.node("n3")) >= 2);
+        assert!(c.node("n3").log().contains("op=cluster_merge node=n2"));
+        must(Duration::from_secs(20), "n1 never marked n2 silent", || {
+            !knows(c.node("n1"), "n2")
+        });
+        let before = metric(c.node("n1"), silent);
+        assert_eq!(
+            listed(c.node("n1"), "/v2/sandboxes", "sandboxID").0,
+            [a.as_str()]
+        );
+        assert_eq!(metric(c.node("n1"), silent), before + 1);
+
+        // Restarted, n2's recovery removes its lost sandbox; nothing is left anywhere.
+        c.node_mut("n2").spawn();
+        delete(c.node("n3"), &a);
+        must(Duration::from_secs(30), "lists never emptied", || {
+            listed(c.node("n1"), "/v2/sandboxes", "sandboxID")
+                .0
+                .is_empty()
+        });
         stop_all_leaving_nothing(&mut c);
     }
     let left = host_leftovers();

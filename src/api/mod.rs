@@ -14,6 +14,7 @@ mod envd_proxy;
 mod error;
 mod forward;
 mod history;
+mod merged;
 mod models;
 mod network;
 mod query;

@@ -2,6 +2,7 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
+use super::merged::{self, Listing, Paging};
 use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
 use crate::cluster::id::is_sandbox_id;
@@ -62,8 +63,8 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/metrics", Quick, |ctx, _, _| metrics(ctx)),
     r(Get, "/openapi.json", Quick, |_, _, _| openapi()),
     r(Get, "/cluster/node", Quick, |ctx, _, _| cluster_node(ctx)),
-    r(Get, "/sandboxes", Quick, |ctx, _, t| {
-        list_running(ctx, t.query)
+    r(Get, "/sandboxes", Quick, |ctx, req, t| {
+        merged::across(ctx, req, Listing::SandboxesV1, list_running(ctx, t.query))
     }),
     r(Post, "/sandboxes", Control, |ctx, req, _| {
         create_from_template(ctx, req, Defaults::agentenv(ctx))
@@ -71,8 +72,8 @@ pub static ROUTES: &[Route] = &[
     r(Post, "/sandboxes-cold", Control, |ctx, req, _| {
         create_cold(ctx, req)
     }),
-    r(Get, "/v2/sandboxes", Quick, |ctx, _, t| {
-        list_v2(ctx, t.query)
+    r(Get, "/v2/sandboxes", Quick, |ctx, req, t| {
+        merged::across(ctx, req, Listing::SandboxesV2, list_v2(ctx, t.query))
     }),
     r(Post, "/v2/sandboxes", Control, |ctx, req, _| {
         create_from_template(ctx, req, Defaults::e2b(ctx))
@@ -83,8 +84,8 @@ pub static ROUTES: &[Route] = &[
         Control,
         |ctx, req, t| connect(ctx, req, t.var, ConnectKind::Connect),
     ),
-    r(Get, "/sandboxes/metrics", Quick, |ctx, _, t| {
-        several_sandbox_metrics(ctx, t.query)
+    r(Get, "/sandboxes/metrics", Quick, |ctx, req, t| {
+        several_sandbox_metrics(ctx, req, t.query)
     }),
     r(Get, "/sandboxes/{sandboxID}", Quick, |ctx, _, t| {
         get_sandbox(ctx, t.var)
@@ -174,8 +175,8 @@ pub static ROUTES: &[Route] = &[
         Control,
         |ctx, req, t| patch_params(ctx, req, t.var),
     ),
-    r(Get, "/snapshots", Quick, |ctx, _, t| {
-        list_snapshots(ctx, t.query)
+    r(Get, "/snapshots", Quick, |ctx, req, t| {
+        merged::across(ctx, req, Listing::Snapshots, list_snapshots(ctx, t.query))
     }),
     r(Get, "/snapshots/{idOrName}", Quick, |ctx, _, t| {
         get_snapshot(ctx, t.var)
@@ -185,7 +186,9 @@ pub static ROUTES: &[Route] = &[
     r(Post, "/v3/templates", Control, |ctx, req, _| {
         e2b::request_build(ctx, req)
     }),
-    r(Get, "/v2/templates", Quick, |ctx, _, _| e2b::list(ctx)),
+    r(Get, "/v2/templates", Quick, |ctx, req, _| {
+        merged::across(ctx, req, Listing::Templates, e2b::list(ctx))
+    }),
     r(
         Post,
         "/v2/templates/{templateID}/builds/{buildID}",
@@ -223,7 +226,9 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/templates/{templateID}/tags", Quick, |ctx, _, t| {
         e2b::tags(ctx, t)
     }),
-    r(Get, "/templates", Quick, |ctx, _, _| list_templates(ctx)),
+    r(Get, "/templates", Quick, |ctx, req, _| {
+        merged::across(ctx, req, Listing::Templates, list_templates(ctx))
+    }),
     r(Post, "/templates", Control, |ctx, req, _| {
         create_template(ctx, req)
     }),
@@ -761,16 +766,27 @@ fn list_running(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
 }
 
 /// Sort key of `GET /v2/sandboxes`: startedAt, then id (descending unless `order=asc`).
+/// startedAt in ns but whole milliseconds, as the listed `startedAt` shows it: a node
+/// merging other nodes' lists keys their items alike (`merged`).
 fn list_key(info: &SandboxInfo) -> (u128, String) {
-    let nanos = info
+    let millis = info
         .started_at
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
+        .map(|d| d.as_millis())
         .unwrap_or(0);
-    (nanos, info.id.clone())
+    (millis * 1_000_000, info.id.clone())
 }
 
-fn encode_token(key: &(u128, String)) -> String {
+/// The order and page size of a `GET /v2/sandboxes` query, checked.
+pub(super) fn v2_paging(query_string: &str) -> Result<Paging, ApiError> {
+    let q = ListQuery::parse(query_string)?;
+    Ok(Paging {
+        ascending: q.ascending,
+        limit: q.limit,
+    })
+}
+
+pub(super) fn encode_token(key: &(u128, String)) -> String {
     crate::util::hex(format!("{}:{}", key.0, key.1).as_bytes())
 }
 
@@ -1361,8 +1377,13 @@ fn sandbox_log(ctx: &Context, id: &str, query_string: &str) -> Result<Reply, Api
 const MAX_METRICS_IDS: usize = 100;
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: the newest sample of each listed sandbox
-/// that has one, as `{"sandboxes": {id: metric}}` (api.md §4.21).
-fn several_sandbox_metrics(ctx: &Context, query_string: &str) -> Result<Reply, ApiError> {
+/// that has one, as `{"sandboxes": {id: metric}}` (api.md §4.21); on a cluster node those
+/// of other nodes' sandboxes asked of their owners (`merged::peer_metrics`).
+fn several_sandbox_metrics(
+    ctx: &Context,
+    req: &Request,
+    query_string: &str,
+) -> Result<Reply, ApiError> {
     let pairs = query::parse(query_string);
     let ids: Vec<String> = query::get(&pairs, "sandbox_ids")
         .ok_or_else(|| ApiError::bad_request("sandbox_ids is required (a comma-separated list)"))?
@@ -1382,13 +1403,14 @@ fn several_sandbox_metrics(ctx: &Context, query_string: &str) -> Result<Reply, A
             "sandbox_ids: {bad:?} is not a sandbox id"
         )));
     }
-    let found: serde_json::Map<String, Value> = ctx
+    let mut found: serde_json::Map<String, Value> = ctx
         .orchestrator
         .observe()
         .latest_metrics(&ids)
         .iter()
         .map(|(id, sample)| (id.clone(), models::sandbox_metric(sample)))
         .collect();
+    found.extend(merged::peer_metrics(ctx, req, &ids));
     Ok(Reply::json(200, json!({ "sandboxes": found })))
 }
 

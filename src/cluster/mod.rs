@@ -6,25 +6,36 @@
 //! where each node answers now); there is no cluster manager, consensus or database of
 //! our own.
 
+pub mod ask;
 pub mod id;
 pub mod peer;
 pub mod peers;
 
 use crate::config::ClusterConfig;
+pub use ask::PartialReason;
+use ask::{Answer, AskError};
 use parking_lot::Mutex;
 use peer::PeerUrl;
-use peers::{Discovery, PeerSource, PeerTable};
+use peers::{Discovery, Peer, PeerSource, PeerTable};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The header a request relayed by a node carries: that node's name. Such a request is
+/// answered by the node it reaches alone (never forwarded again, lists not merged).
+pub const FORWARDED_BY: &str = "X-Aenv-Forwarded-By";
 
 /// This server as a cluster node: its name, its URL, its peers and what it forwarded.
 pub struct Cluster {
     pub node: String,
     pub advertise_url: String,
     pub peers: Arc<PeerTable>,
-    pub forwarded: ForwardCounts,
+    pub forwarded: NodeCounts<ForwardResult>,
+    /// Peers left out of a merged answer, by why.
+    pub partial: NodeCounts<PartialReason>,
+    /// Calls to peers for merged answers, each within `[cluster] peer_timeout_ms`.
+    agent: ureq::Agent,
 }
 
 impl Cluster {
@@ -49,7 +60,9 @@ impl Cluster {
             node: node.to_string(),
             advertise_url: cfg.advertise_url.clone(),
             peers: Arc::new(PeerTable::new(node)),
-            forwarded: ForwardCounts::default(),
+            forwarded: NodeCounts::default(),
+            partial: NodeCounts::default(),
+            agent: ask::agent(Duration::from_millis(cfg.peer_timeout_ms)),
         });
         let discovery = Discovery {
             source,
@@ -60,10 +73,59 @@ impl Cluster {
         Ok(Some(cluster))
     }
 
-    /// `agentenv_cluster_forwarded_total{node,result}` and
+    /// `GET target` of each `(node, target)`, all at once, each within the peer timeout
+    /// and `max` bytes, with the API key and `X-Aenv-Forwarded-By: <this node>` (the
+    /// node answers with its own items alone). A node unknown or silent in the peer
+    /// table is not asked. The answers in the order asked.
+    pub fn ask_nodes(
+        &self,
+        asks: Vec<(String, String)>,
+        api_key: &str,
+        max: u64,
+    ) -> Vec<(String, Result<Answer, AskError>)> {
+        let headers = [("X-API-Key", api_key), (FORWARDED_BY, self.node.as_str())];
+        ask::at_once(asks, |(node, target)| {
+            let answer = match self.peers.get(&node) {
+                None => Err(AskError::Unknown),
+                Some(Peer {
+                    failure: Some(why), ..
+                }) => Err(AskError::Silent(why)),
+                Some(peer) => ask::get(&self.agent, &peer.url, &target, &headers, max),
+            };
+            (node, answer)
+        })
+    }
+
+    /// [`Cluster::ask_nodes`] of `target` on every peer in the table.
+    pub fn ask_peers(
+        &self,
+        target: &str,
+        api_key: &str,
+        max: u64,
+    ) -> Vec<(String, Result<Answer, AskError>)> {
+        let asks = self
+            .peers
+            .peers()
+            .into_iter()
+            .map(|(node, _)| (node, target.to_string()))
+            .collect();
+        self.ask_nodes(asks, api_key, max)
+    }
+
+    /// `agentenv_cluster_forwarded_total{node,result}`,
+    /// `agentenv_cluster_list_partial_total{node,reason}` and
     /// `agentenv_cluster_peers{state}` (api.md §4.19).
     pub fn render_metrics(&self, out: &mut String) {
-        self.forwarded.render(out);
+        self.forwarded.render(
+            out,
+            "agentenv_cluster_forwarded_total",
+            "Requests for another node's sandboxes, by owner and result (answered, unreachable, refused).",
+        );
+        self.partial.render(
+            out,
+            "agentenv_cluster_list_partial_total",
+            "Peers left out of a merged list or metrics answer, by node and reason (silent, unreachable, bad_answer, unknown).",
+        );
         let peers = self.peers.peers();
         let silent = peers.iter().filter(|(_, p)| p.failure.is_some()).count();
         let _ = writeln!(
@@ -75,6 +137,12 @@ impl Cluster {
             peers.len() - silent
         );
     }
+}
+
+/// A label of a per-node counter: its name and each value's text.
+pub trait Label: Copy + Ord {
+    const NAME: &'static str;
+    fn label(self) -> &'static str;
 }
 
 /// What became of a request for another node's sandbox: the `result` label of
@@ -89,7 +157,8 @@ pub enum ForwardResult {
     Refused,
 }
 
-impl ForwardResult {
+impl Label for ForwardResult {
+    const NAME: &'static str = "result";
     fn label(self) -> &'static str {
         match self {
             ForwardResult::Answered => "answered",
@@ -99,34 +168,36 @@ impl ForwardResult {
     }
 }
 
-/// Requests for other nodes' sandboxes, by owner and result.
-#[derive(Default)]
-pub struct ForwardCounts(Mutex<BTreeMap<(String, ForwardResult), u64>>);
+/// A counter by node and one more label.
+pub struct NodeCounts<L>(Mutex<BTreeMap<(String, L), u64>>);
 
-impl ForwardCounts {
-    pub fn record(&self, node: &str, result: ForwardResult) {
-        *self.0.lock().entry((node.to_string(), result)).or_insert(0) += 1;
+impl<L> Default for NodeCounts<L> {
+    fn default() -> Self {
+        NodeCounts(Mutex::new(BTreeMap::new()))
+    }
+}
+
+impl<L: Label> NodeCounts<L> {
+    pub fn record(&self, node: &str, label: L) {
+        *self.0.lock().entry((node.to_string(), label)).or_insert(0) += 1;
     }
 
-    pub fn get(&self, node: &str, result: ForwardResult) -> u64 {
+    pub fn get(&self, node: &str, label: L) -> u64 {
         self.0
             .lock()
-            .get(&(node.to_string(), result))
+            .get(&(node.to_string(), label))
             .copied()
             .unwrap_or(0)
     }
 
-    fn render(&self, out: &mut String) {
-        let name = "agentenv_cluster_forwarded_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Requests for another node's sandboxes, by owner and result (answered, unreachable, refused).\n# TYPE {name} counter"
-        );
-        for ((node, result), n) in self.0.lock().iter() {
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for ((node, label), n) in self.0.lock().iter() {
             let _ = writeln!(
                 out,
-                "{name}{{node=\"{node}\",result=\"{}\"}} {n}",
-                result.label()
+                "{name}{{node=\"{node}\",{}=\"{}\"}} {n}",
+                L::NAME,
+                label.label()
             );
         }
     }

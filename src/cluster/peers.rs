@@ -8,11 +8,11 @@
 //! sandbox's node follows from its id (`cluster::id`); this table only says where that
 //! node is now (a restarted pod may come back at another address).
 
+use super::ask::{agent, at_once, get};
 use super::peer::{resolve_dns, PeerUrl};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -162,19 +162,11 @@ impl Discovery {
                 }
             },
         };
-        let agent = ureq::AgentBuilder::new().timeout(self.timeout).build();
-        let round: Vec<_> = std::thread::scope(|s| {
-            let asks: Vec<_> = urls
-                .into_iter()
-                .map(|url| {
-                    let (agent, key) = (&agent, self.api_key.as_str());
-                    s.spawn(move || {
-                        let answer = ask(agent, &url, key);
-                        (url, answer)
-                    })
-                })
-                .collect();
-            asks.into_iter().filter_map(|h| h.join().ok()).collect()
+        let agent = agent(self.timeout);
+        let key = self.api_key.as_str();
+        let round = at_once(urls, |url| {
+            let answer = ask(&agent, &url, key);
+            (url, answer)
         });
         table.apply(round, Instant::now());
     }
@@ -198,29 +190,10 @@ impl Discovery {
 
 /// `GET <url>/cluster/node` with the API key: the node's card, or why not.
 fn ask(agent: &ureq::Agent, url: &PeerUrl, api_key: &str) -> Result<NodeCard, String> {
-    let answer = agent
-        .get(&format!("{url}/cluster/node"))
-        .set("X-API-Key", api_key)
-        .call();
-    let response = match answer {
-        Ok(r) => r,
-        Err(ureq::Error::Status(code, _)) => {
-            return Err(format!("GET /cluster/node answered {code}"))
-        }
-        Err(ureq::Error::Transport(t)) => return Err(t.to_string()),
-    };
-    let mut body = Vec::new();
-    response
-        .into_reader()
-        .take(MAX_CARD_BYTES + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| e.to_string())?;
-    if body.len() as u64 > MAX_CARD_BYTES {
-        return Err(format!(
-            "GET /cluster/node answered over {MAX_CARD_BYTES} bytes"
-        ));
-    }
-    let card: NodeCard = serde_json::from_slice(&body)
+    let headers = [("X-API-Key", api_key)];
+    let answer =
+        get(agent, url, "/cluster/node", &headers, MAX_CARD_BYTES).map_err(|e| e.to_string())?;
+    let card: NodeCard = serde_json::from_value(answer.body)
         .map_err(|e| format!("GET /cluster/node answered no node card: {e}"))?;
     if !super::id::is_node_name(&card.node) {
         return Err(format!("answered the node name {:?}", card.node));
