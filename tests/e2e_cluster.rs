@@ -495,7 +495,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         assert_eq!(sampled(c.node("n2"), &[&a, &b]), both);
 
         // n3 stopped (SIGSTOP: it takes connections and never answers): lists via n1
-        // wait at most the peer timeout (2 s) for it.
+        // wait for it only up to the peer timeout (2 s), then answer without it.
         let n3 = c.node("n3").child.as_ref().unwrap().id().to_string();
         run("kill", &["-STOP", &n3]);
         let asked = std::time::Instant::now();
@@ -503,7 +503,9 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         let took = asked.elapsed();
         run("kill", &["-CONT", &n3]);
         assert_eq!(sorted(v2), both);
-        assert!(took < Duration::from_secs(3), "the list took {took:?}");
+        // Not a speed goal: without the peer timeout the list would wait for n3 until the
+        // client's own timeout (180 s); the bound leaves room for a loaded machine.
+        assert!(took < Duration::from_secs(15), "the list took {took:?}");
         let log = c.node("n1").log();
         assert!(
             log.contains("op=cluster_merge node=n3 path=/v2/sandboxes"),
