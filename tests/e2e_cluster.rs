@@ -150,6 +150,15 @@ fn get_with(s: &Server, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     }
 }
 
+/// E2B's v1 file URL signature for the default user, without expiry (api::signed_url).
+fn signature(path: &str, operation: &str, token: &str) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(format!("{path}:{operation}::{token}").as_bytes());
+    let encoded = base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest);
+    format!("v1_{}", encoded.replace('+', "%2B").replace('/', "%2F"))
+}
+
 /// Opens the console's terminal for `id` on `s`, types `keys`, and returns what the PTY
 /// printed until `want` appeared (bounded: 30 s, 1 MiB).
 fn terminal_through(s: &Server, id: &str, keys: &str, want: &str) -> String {
@@ -279,6 +288,22 @@ fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
         // through n2 to n1's sandbox.
         let typed = terminal_through(b, &id, "echo ws-$((40+2))-across\n", "ws-42-across");
         assert!(typed.contains("ws-42-across"), "{typed}");
+
+        // A signed download URL naming no sandbox (setup 1), sent to n2 and n3 with no
+        // credential: served from n1's sandbox, whose token signed it; changed, it is 401.
+        let url = |sig: &str| format!("/files?path=/tmp/f.txt&signature={sig}");
+        let good = url(&signature("/tmp/f.txt", "read", &token));
+        for node in ["n2", "n3"] {
+            let (code, text) = get_with(c.node(node), &good, &[]);
+            assert_eq!(
+                (code, text.as_str()),
+                (200, "forwarded bytes\n"),
+                "via {node}"
+            );
+        }
+        let bad = url(&signature("/tmp/other.txt", "read", &token));
+        let (code, text) = get_with(b, &bad, &[]);
+        assert_eq!(code, 401, "{text}");
 
         // Deleted through n2: gone on n1.
         let (code, v) = b.call("DELETE", &format!("/sandboxes/{id}"), None);

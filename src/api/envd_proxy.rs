@@ -34,7 +34,7 @@
 //! clone) is preceded by `POST /init` with the sandbox's environment (image env and the
 //! create's `envVars`), so that every process envd starts sees it.
 
-use super::signed_url::{Refusal, SignedUrl};
+use super::signed_url::{signer, unix_now, Refusal, SignedUrl};
 use super::ApiError;
 use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
@@ -83,6 +83,8 @@ pub struct EnvdProxy {
     agent_port: u16,
     /// How long an upgraded connection (WebSocket) may stay quiet both ways.
     tunnel_idle: Duration,
+    /// A cluster node's forwarder: signed file URLs another node's sandbox signed.
+    forward: Option<Arc<super::forward::Forwarder>>,
     /// Stream threads running (see [`EnvdProxy::divert`]).
     threads: AtomicUsize,
     /// Open exchanges per sandbox.
@@ -108,12 +110,19 @@ impl Drop for StreamPermit {
 }
 
 impl EnvdProxy {
-    pub fn new(orchestrator: Arc<Orchestrator>, api_key: String) -> EnvdProxy {
+    /// `forward`: asked for a signed file URL no sandbox of this node signed (a cluster
+    /// node's).
+    pub fn new(
+        orchestrator: Arc<Orchestrator>,
+        api_key: String,
+        forward: Option<Arc<super::forward::Forwarder>>,
+    ) -> EnvdProxy {
         let agent_port = orchestrator.config().agent.port;
         let tunnel_idle = Duration::from_secs(orchestrator.config().api.tunnel_idle_secs);
         EnvdProxy {
             orchestrator,
             api_key,
+            forward,
             agent_port,
             tunnel_idle,
             threads: AtomicUsize::new(0),
@@ -160,11 +169,16 @@ impl EnvdProxy {
         let signed = SignedUrl::of(&request);
         let dest = match destination(&request, self.agent_port) {
             Some(dest) => dest,
-            // A signed file URL of setup 1 names no sandbox: the one whose token signed it.
-            None => match signed.as_ref().and_then(|s| self.signer_of(s)) {
-                Some(sandbox) => Destination {
+            // A signed file URL of setup 1 names no sandbox: the one whose token signed it,
+            // here or (asked by the forwarder) on another node.
+            None => match signed.as_ref().map(|s| (s, signer(&self.orchestrator, s))) {
+                Some((_, Some(sandbox))) => Destination {
                     sandbox,
                     port: self.agent_port,
+                },
+                Some((signed, None)) => match &self.forward {
+                    Some(forward) => return forward.relay_signed(request, signed),
+                    None => return answer_error(request, &refused(Refusal::Mismatch)),
                 },
                 None => return answer_error(request, &refused(Refusal::Mismatch)),
             },
@@ -232,16 +246,6 @@ impl EnvdProxy {
                 .map_err(refused),
             _ => Err(unauthorized(envd_port)),
         }
-    }
-
-    /// The sandbox whose envd token signed `signed` (expired or not), if any.
-    fn signer_of(&self, signed: &SignedUrl) -> Option<String> {
-        let now = unix_now();
-        self.orchestrator
-            .list()
-            .into_iter()
-            .find(|info| signed.check(&info.envd_access_token, now) != Err(Refusal::Mismatch))
-            .map(|info| info.id)
     }
 
     fn permit(self: &Arc<Self>, sandbox: &str) -> Option<StreamPermit> {
@@ -396,7 +400,7 @@ fn admitted(creds: &Credentials, envd_port: bool, access: Option<&Access>, api_k
 }
 
 /// The answer to a signed file URL that does not open the file (nothing of it logged).
-fn refused(why: Refusal) -> ApiError {
+pub(super) fn refused(why: Refusal) -> ApiError {
     match why {
         Refusal::Mismatch => ApiError::new(
             401,
@@ -404,13 +408,6 @@ fn refused(why: Refusal) -> ApiError {
         ),
         Refusal::Expired => ApiError::new(403, "the signed file URL has expired"),
     }
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 fn unauthorized(envd_port: bool) -> ApiError {

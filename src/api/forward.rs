@@ -16,6 +16,7 @@
 //! fixed buffers and are never held.
 
 use super::envd_proxy::{self, answer_error, header};
+use super::signed_url::{self, Refusal, SignedUrl};
 use super::ApiError;
 use crate::cluster::{Cluster, ForwardResult};
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
@@ -27,6 +28,8 @@ use tiny_http::Request;
 pub use crate::cluster::FORWARDED_BY;
 /// Relays in flight at once.
 pub const MAX_FORWARDS: usize = 512;
+/// The largest answer to a signer question (`{"sandboxID": "..."}`).
+const SIGNER_ANSWER_MAX: u64 = 4096;
 /// Quiet time allowed on a forwarded API request: a command may run 600 s before its
 /// answer (api.md §4.17).
 pub const API_IDLE: Duration = Duration::from_secs(900);
@@ -84,14 +87,46 @@ pub struct Forwarder {
     cluster: Option<Arc<Cluster>>,
     tunnel_idle: Duration,
     threads: AtomicUsize,
+    /// Sent with the signer question ([`Forwarder::relay_signed`]).
+    api_key: String,
 }
 
 impl Forwarder {
-    pub fn new(cluster: Option<Arc<Cluster>>, tunnel_idle: Duration) -> Forwarder {
+    pub fn new(cluster: Option<Arc<Cluster>>, tunnel_idle: Duration, api_key: String) -> Forwarder {
         Forwarder {
             cluster,
             tunnel_idle,
             threads: AtomicUsize::new(0),
+            api_key,
+        }
+    }
+
+    /// A signed file URL naming no sandbox (setup 1) that no sandbox of this node signed:
+    /// asks every peer which of its sandboxes did (`GET /cluster/signer`, all at once,
+    /// each within the peer timeout) and relays the request to that node on this thread;
+    /// 401 when none did, or when it was forwarded to this node already. Runs on an envd
+    /// stream thread, never an API worker.
+    pub fn relay_signed(&self, request: Request, signed: &SignedUrl) {
+        let mismatch = || envd_proxy::refused(Refusal::Mismatch);
+        let Some(cluster) = self
+            .cluster
+            .as_ref()
+            .filter(|_| header(&request, FORWARDED_BY).is_none())
+        else {
+            return answer_error(request, &mismatch());
+        };
+        let question = signed_url::signer_question(&request, signed);
+        let signer = cluster
+            .ask_peers(&question, &self.api_key, SIGNER_ANSWER_MAX)
+            .into_iter()
+            .find_map(|(node, answer)| {
+                let id = answer.ok()?.body["sandboxID"].as_str()?.to_string();
+                // Only the node that owns the id may claim it.
+                (crate::cluster::id::node_of(&id) == Some(node.as_str())).then_some((node, id))
+            });
+        match signer {
+            Some((owner, id)) => self.relay(cluster, &owner, &id, request),
+            None => answer_error(request, &mismatch()),
         }
     }
 
@@ -138,7 +173,8 @@ impl Forwarder {
         let spawned = std::thread::Builder::new()
             .name("cluster-forward".into())
             .spawn(move || {
-                me.relay(&cluster, &owner, request);
+                let id = target_of(&request).unwrap_or_default();
+                me.relay(&cluster, &owner, &id, request);
                 me.threads.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -149,15 +185,14 @@ impl Forwarder {
     }
 
     /// On the forward thread: the request to `owner` and its answer back; counted.
-    fn relay(&self, cluster: &Cluster, owner: &str, request: Request) {
-        let id = target_of(&request).unwrap_or_default();
+    fn relay(&self, cluster: &Cluster, owner: &str, id: &str, request: Request) {
         let started = std::time::Instant::now();
         let method = request.method().to_string();
         let path = request.url().split('?').next().unwrap_or("").to_string();
         let hop = Hop {
             this: &cluster.node,
             owner,
-            sandbox: &id,
+            sandbox: id,
             tunnel_idle: self.tunnel_idle,
         };
         let result = match hop.run(cluster, request) {

@@ -229,13 +229,15 @@ impl ApiServer {
     /// Binds `[server] listen` and starts the dispatcher, the lanes and the rejecters.
     pub fn start(cfg: &ServerConfig, ctx: Context) -> Result<ApiServer, String> {
         let server = Arc::new(listen(cfg)?);
-        let envd = Arc::new(envd_proxy::EnvdProxy::new(
-            ctx.orchestrator.clone(),
-            ctx.api_key.clone(),
-        ));
         let forward = Arc::new(forward::Forwarder::new(
             ctx.cluster.clone(),
             Duration::from_secs(ctx.orchestrator.config().api.tunnel_idle_secs),
+            ctx.api_key.clone(),
+        ));
+        let envd = Arc::new(envd_proxy::EnvdProxy::new(
+            ctx.orchestrator.clone(),
+            ctx.api_key.clone(),
+            ctx.cluster.is_some().then(|| forward.clone()),
         ));
         let terminals = Arc::new(console::terminal::Terminals::new(
             ctx.orchestrator.clone(),

@@ -63,6 +63,9 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/metrics", Quick, |ctx, _, _| metrics(ctx)),
     r(Get, "/openapi.json", Quick, |_, _, _| openapi()),
     r(Get, "/cluster/node", Quick, |ctx, _, _| cluster_node(ctx)),
+    r(Get, "/cluster/signer", Quick, |ctx, _, q| {
+        super::signed_url::signer_route(&ctx.orchestrator, q.query).map(|v| Reply::json(200, v))
+    }),
     r(Get, "/sandboxes", Quick, |ctx, req, t| {
         merged::across(ctx, req, Listing::SandboxesV1, list_running(ctx, t.query))
     }),

@@ -9,9 +9,11 @@
 //! or expiry was changed does not match, and one past its expiry is refused even when it
 //! matches. Nothing of the URL's query is logged.
 
-use super::query;
+use super::{query, ApiError};
+use crate::orchestrator::Orchestrator;
 use crate::util::constant_time_eq;
 use base64::Engine;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tiny_http::{Method, Request};
 
@@ -51,6 +53,11 @@ impl SignedUrl {
         if path != "/files" {
             return None;
         }
+        SignedUrl::from_query(operation, query)
+    }
+
+    /// The signed file request of `query` (a `/files` URL's) for `operation`.
+    fn from_query(operation: &'static str, query: &str) -> Option<SignedUrl> {
         let pairs = query::parse(query);
         let get = |k: &str| query::get(&pairs, k).map(str::to_string);
         Some(SignedUrl {
@@ -85,6 +92,50 @@ impl SignedUrl {
             },
         }
     }
+}
+
+/// The sandbox of this node whose envd token signed `signed` (expired or not: the
+/// envd proxy refuses an expired one), if any.
+pub fn signer(orchestrator: &Orchestrator, signed: &SignedUrl) -> Option<String> {
+    let now = unix_now();
+    orchestrator
+        .list()
+        .into_iter()
+        .find(|info| signed.check(&info.envd_access_token, now) != Err(Refusal::Mismatch))
+        .map(|info| info.id)
+}
+
+/// `GET /cluster/signer?operation=read|write&<a signed /files URL's query>` (api.md
+/// §4.29): which of this node's sandboxes signed the URL, asked by a node that got a
+/// signed URL naming no sandbox (setup 1). 404 when none did.
+pub fn signer_route(orchestrator: &Orchestrator, query: &str) -> Result<Value, ApiError> {
+    let pairs = query::parse(query);
+    let operation = match query::get(&pairs, "operation") {
+        Some("read") => "read",
+        Some("write") => "write",
+        _ => return Err(ApiError::bad_request("operation must be read or write")),
+    };
+    let signed = SignedUrl::from_query(operation, query)
+        .ok_or_else(|| ApiError::bad_request("the query has no signature"))?;
+    match signer(orchestrator, &signed) {
+        Some(id) => Ok(json!({ "sandboxID": id })),
+        None => Err(ApiError::new(
+            404,
+            "no sandbox of this node signed that URL",
+        )),
+    }
+}
+
+/// The signer question for `request`'s signed URL (its query plus the operation).
+pub fn signer_question(request: &Request, signed: &SignedUrl) -> String {
+    let query = request.url().split_once('?').map_or("", |(_, q)| q);
+    format!("/cluster/signer?operation={}&{query}", signed.operation)
+}
+
+pub(super) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// E2B's v1 signature of a file URL.
