@@ -24,8 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tiny_http::Request;
 
-/// The header a forwarded request carries: the node that forwarded it.
-pub const FORWARDED_BY: &str = "X-Aenv-Forwarded-By";
+pub use crate::cluster::FORWARDED_BY;
 /// Relays in flight at once.
 pub const MAX_FORWARDS: usize = 512;
 /// Quiet time allowed on a forwarded API request: a command may run 600 s before its

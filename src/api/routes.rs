@@ -230,8 +230,8 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/templates/{idOrName}", Quick, |ctx, _, t| {
         get_template(ctx, t.var)
     }),
-    r(Delete, "/templates/{idOrName}", Control, |ctx, _, t| {
-        delete_template(ctx, t.var)
+    r(Delete, "/templates/{idOrName}", Control, |ctx, req, t| {
+        delete_template(ctx, req, t.var)
     }),
     r(Get, "/metrics/history", Quick, |ctx, _, t| {
         metrics_history(ctx, t.query)
@@ -396,6 +396,7 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
         node: cluster.node.clone(),
         advertise_url: cluster.advertise_url.clone(),
         capacity,
+        templates: super::placement::card_templates(ctx),
     };
     let mut body = serde_json::to_value(card).unwrap_or_default();
     body["peers"] = Value::Array(peers);
@@ -613,6 +614,9 @@ fn create_from_template(
     let key = idempotency_key(req)?;
     let f = body(ctx, req)?;
     let template = f.required_str("templateID")?.to_string();
+    if let Some(reply) = super::placement::elsewhere(ctx, req, &f, &template)? {
+        return Ok(reply);
+    }
     let request = create_fields(ctx, &f, defaults)?;
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
@@ -1129,11 +1133,25 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     ))
 }
 
-fn delete_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator
-        .handle(OrchRequest::DeleteTemplate { id_or_name })?
-        .into_done()?;
-    Ok(Reply::Empty(204))
+/// `DELETE /templates/{idOrName}`; on a cluster node, on every node (docs/cluster.md):
+/// 204 when any node had it.
+fn delete_template(ctx: &Context, req: &Request, id_or_name: &str) -> Result<Reply, ApiError> {
+    let here = ctx
+        .orchestrator
+        .handle(OrchRequest::DeleteTemplate { id_or_name })
+        .and_then(|r| r.into_done());
+    let here = match here {
+        Err(e) if e.status() != 404 => return Err(e.into()),
+        other => other,
+    };
+    use crate::cluster::client::Body;
+    let there =
+        super::everywhere::echo(ctx, req, &[], Body::Empty, super::everywhere::CALL_TIMEOUT);
+    match here {
+        Err(_) if there.iter().any(|(_, r)| r.is_ok()) => Ok(Reply::Empty(204)),
+        Err(e) => Err(e.into()),
+        Ok(()) => Ok(Reply::Empty(204)),
+    }
 }
 
 fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {

@@ -6,11 +6,13 @@
 //! where each node answers now); there is no cluster manager, consensus or database of
 //! our own.
 
+pub mod client;
 pub mod id;
 pub mod peer;
 pub mod peers;
 
 use crate::config::ClusterConfig;
+use client::PeerClient;
 use parking_lot::Mutex;
 use peer::PeerUrl;
 use peers::{Discovery, PeerSource, PeerTable};
@@ -19,12 +21,18 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The header a request between nodes carries: the node that sent it. A request that
+/// carries it is served where it arrives, never sent on (docs/cluster.md).
+pub const FORWARDED_BY: &str = "X-Aenv-Forwarded-By";
+
 /// This server as a cluster node: its name, its URL, its peers and what it forwarded.
 pub struct Cluster {
     pub node: String,
     pub advertise_url: String,
     pub peers: Arc<PeerTable>,
     pub forwarded: ForwardCounts,
+    /// Asks the peers (cards, placed creates, templates on every node).
+    pub client: PeerClient,
 }
 
 impl Cluster {
@@ -50,10 +58,17 @@ impl Cluster {
             advertise_url: cfg.advertise_url.clone(),
             peers: Arc::new(PeerTable::new(node)),
             forwarded: ForwardCounts::default(),
+            client: PeerClient {
+                this: node.to_string(),
+                api_key: api_key.to_string(),
+            },
         });
         let discovery = Discovery {
             source,
-            api_key: api_key.to_string(),
+            client: PeerClient {
+                this: node.to_string(),
+                api_key: api_key.to_string(),
+            },
             timeout: Duration::from_millis(cfg.peer_timeout_ms),
         };
         discovery.spawn(&cluster.peers, Duration::from_secs(cfg.refresh_secs))?;

@@ -8,16 +8,19 @@
 //! sandbox's node follows from its id (`cluster::id`); this table only says where that
 //! node is now (a restarted pod may come back at another address).
 
+use super::client::{Body, Call, PeerClient};
 use super::peer::{resolve_dns, PeerUrl};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// Largest `GET /cluster/node` answer taken from a peer.
-pub const MAX_CARD_BYTES: u64 = 64 * 1024;
+pub const MAX_CARD_BYTES: u64 = 256 * 1024;
+/// Most templates a card lists (the newest first); a node with more serves the others
+/// only to creates that reach it (docs/cluster.md, "Placement").
+pub const MAX_CARD_TEMPLATES: usize = 1000;
 
 /// What a node says of itself at `GET /cluster/node` (api.md §4.29).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +29,42 @@ pub struct NodeCard {
     pub node: String,
     pub advertise_url: String,
     pub capacity: NodeCapacity,
+    /// What creates may start from here: the ready templates and snapshots, at most
+    /// [`MAX_CARD_TEMPLATES`] (a card without the field lists none).
+    #[serde(default)]
+    pub templates: Vec<CardTemplate>,
+}
+
+/// One template (or snapshot) a node can start sandboxes from, and their size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CardTemplate {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    /// Its name (the E2B alias), when it has one.
+    #[serde(default)]
+    pub alias: Option<String>,
+    /// Its tags with a ready build (`default` among them) for an E2B template.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    pub cpu_count: u32,
+}
+
+impl NodeCard {
+    /// The template `wanted` (id, name or `name:tag`, as a create names it) if this node
+    /// can start it.
+    pub fn template(&self, wanted: &str) -> Option<&CardTemplate> {
+        let (name, tag) = match wanted.split_once(':') {
+            Some((n, t)) => (n, Some(t)),
+            None => (wanted, None),
+        };
+        self.templates.iter().find(|t| {
+            (t.template_id == name || t.alias.as_deref() == Some(name))
+                && tag.is_none_or(|tag| t.tags.iter().any(|x| x == tag))
+        })
+    }
 }
 
 /// A node's free capacity, from its admission (docs/operations.md §12).
@@ -144,7 +183,7 @@ pub enum PeerSource {
 /// Asks the peers each round.
 pub struct Discovery {
     pub source: PeerSource,
-    pub api_key: String,
+    pub client: PeerClient,
     pub timeout: Duration,
 }
 
@@ -162,14 +201,12 @@ impl Discovery {
                 }
             },
         };
-        let agent = ureq::AgentBuilder::new().timeout(self.timeout).build();
         let round: Vec<_> = std::thread::scope(|s| {
             let asks: Vec<_> = urls
                 .into_iter()
                 .map(|url| {
-                    let (agent, key) = (&agent, self.api_key.as_str());
                     s.spawn(move || {
-                        let answer = ask(agent, &url, key);
+                        let answer = ask(&self.client, &url, self.timeout);
                         (url, answer)
                     })
                 })
@@ -197,34 +234,27 @@ impl Discovery {
 }
 
 /// `GET <url>/cluster/node` with the API key: the node's card, or why not.
-fn ask(agent: &ureq::Agent, url: &PeerUrl, api_key: &str) -> Result<NodeCard, String> {
-    let answer = agent
-        .get(&format!("{url}/cluster/node"))
-        .set("X-API-Key", api_key)
-        .call();
-    let response = match answer {
-        Ok(r) => r,
-        Err(ureq::Error::Status(code, _)) => {
-            return Err(format!("GET /cluster/node answered {code}"))
-        }
-        Err(ureq::Error::Transport(t)) => return Err(t.to_string()),
+fn ask(client: &PeerClient, url: &PeerUrl, timeout: Duration) -> Result<NodeCard, String> {
+    let call = Call {
+        method: "GET",
+        target: "/cluster/node",
+        headers: &[],
+        body: Body::Empty,
+        timeout,
+        max_answer: MAX_CARD_BYTES,
     };
-    let mut body = Vec::new();
-    response
-        .into_reader()
-        .take(MAX_CARD_BYTES + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| e.to_string())?;
-    if body.len() as u64 > MAX_CARD_BYTES {
-        return Err(format!(
-            "GET /cluster/node answered over {MAX_CARD_BYTES} bytes"
-        ));
+    let answer = client.call(url, call)?;
+    if answer.status != 200 {
+        return Err(format!("GET /cluster/node answered {}", answer.status));
     }
+    let body = answer.body;
     let card: NodeCard = serde_json::from_slice(&body)
         .map_err(|e| format!("GET /cluster/node answered no node card: {e}"))?;
     if !super::id::is_node_name(&card.node) {
         return Err(format!("answered the node name {:?}", card.node));
     }
+    let mut card = card;
+    card.templates.truncate(MAX_CARD_TEMPLATES);
     Ok(card)
 }
 
@@ -247,6 +277,7 @@ mod tests {
                 vcpus_reserved: 0,
                 running: 0,
             },
+            templates: Vec::new(),
         }
     }
 
@@ -289,6 +320,37 @@ mod tests {
         table.apply(vec![(c.clone(), Ok(card("n4")))], t0);
         assert!(table.get("n2").is_none(), "n2 is no longer at {c}");
         assert_eq!(table.get("n4").unwrap().url, c);
+    }
+
+    #[test]
+    fn a_card_names_its_templates_by_id_alias_and_tag() {
+        let mut c = card("n2");
+        c.templates.push(CardTemplate {
+            template_id: "01900000-0000-7000-8000-000000000001".into(),
+            alias: Some("app".into()),
+            tags: vec!["default".into(), "v1".into()],
+            memory_mb: 512,
+            cpu_count: 1,
+        });
+        for hit in [
+            "app",
+            "app:v1",
+            "app:default",
+            "01900000-0000-7000-8000-000000000001",
+        ] {
+            assert_eq!(c.template(hit).map(|t| t.memory_mb), Some(512), "{hit}");
+        }
+        for miss in ["app:v2", "other", "01900000-0000-7000-8000-000000000002"] {
+            assert!(c.template(miss).is_none(), "{miss}");
+        }
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["templates"][0]["templateID"], c.templates[0].template_id);
+        assert_eq!(v["templates"][0]["memoryMB"], 512);
+        // A card of a node without templates on its card still reads.
+        let mut old = v.clone();
+        old.as_object_mut().unwrap().remove("templates");
+        let back: NodeCard = serde_json::from_value(old).unwrap();
+        assert!(back.templates.is_empty());
     }
 
     #[test]

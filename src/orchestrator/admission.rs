@@ -39,6 +39,9 @@ pub(crate) struct Admission {
     refusals: Refusals,
 }
 
+/// What a VM lacks, and the operator's message.
+type Short = (Exhausted, String);
+
 /// What a refused start lacked: the `reason` label of `agentenv_admission_refusals_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Exhausted {
@@ -184,19 +187,34 @@ impl Admission {
         Ok(())
     }
 
+    /// Whether a VM of this size would be admitted now, without reserving anything
+    /// (a cluster node asks before it places a create here): why not, when not.
+    pub fn would_admit(&self, memory_mb: u32, vcpus: u32) -> Result<(), String> {
+        let (memory_mb, vcpus) = (u64::from(memory_mb), u64::from(vcpus));
+        let mut used = self.used.lock();
+        self.caps_room(&used, memory_mb, vcpus)
+            .and_then(|()| self.headroom_room(&mut used, memory_mb).map(|_| ()))
+            .map_err(|(_, why)| why)
+    }
+
     fn check_caps(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), OrchError> {
+        self.caps_room(used, memory_mb, vcpus)
+            .map_err(|(kind, why)| self.refusals.refuse(kind, why))
+    }
+
+    fn caps_room(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), Short> {
         if let Some(limit) = self
             .limits
             .memory_mb
             .filter(|l| used.memory_mb + memory_mb > *l)
         {
-            return Err(self.refusals.refuse(Exhausted::MemoryCap, format!(
+            return Err((Exhausted::MemoryCap, format!(
                 "not enough memory for another VM: {} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
                 used.memory_mb
             )));
         }
         if let Some(limit) = self.limits.vcpus.filter(|l| used.vcpus + vcpus > *l) {
-            return Err(self.refusals.refuse(Exhausted::VcpuCap, format!(
+            return Err((Exhausted::VcpuCap, format!(
                 "not enough vCPUs for another VM: {} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox",
                 used.vcpus
             )));
@@ -207,6 +225,11 @@ impl Admission {
     /// The startup memory this VM counts for while it settles; 429 when the host lacks
     /// it. Unknown host figures admit (a host without /proc/meminfo has the caps only).
     fn check_headroom(&self, used: &mut Usage, memory_mb: u64) -> Result<u64, OrchError> {
+        self.headroom_room(used, memory_mb)
+            .map_err(|(kind, why)| self.refusals.refuse(kind, why))
+    }
+
+    fn headroom_room(&self, used: &mut Usage, memory_mb: u64) -> Result<u64, Short> {
         let Some((room, host)) = &self.headroom else {
             return Ok(0);
         };
@@ -222,7 +245,7 @@ impl Admission {
         let settling: u64 = used.settling.iter().map(|(_, mb)| mb).sum();
         if let Some(available) = host.available_mb() {
             if available < room.reserve_mb + startup + settling {
-                return Err(self.refusals.refuse(Exhausted::HostMemory, format!(
+                return Err((Exhausted::HostMemory, format!(
                     "not enough free host memory for another VM: {available} MiB available (MemAvailable), {} MiB kept for the host ([admission] reserved_memory_mb), {startup} MiB needed to start it and {settling} MiB by VMs still starting; pause or delete a sandbox, or lower the reserve",
                     room.reserve_mb
                 )));
@@ -230,7 +253,7 @@ impl Admission {
         }
         if room.max_pressure_pct > 0.0 {
             if let Some(p) = host.pressure_pct().filter(|p| *p > room.max_pressure_pct) {
-                return Err(self.refusals.refuse(Exhausted::HostPressure, format!(
+                return Err((Exhausted::HostPressure, format!(
                     "host memory under pressure: tasks stalled on memory {p:.1}% of the last 10 s, above {}% ([admission] max_memory_pressure_pct); pause or delete a sandbox",
                     room.max_pressure_pct
                 )));
@@ -489,6 +512,17 @@ mod tests {
         );
         host.pressure_tenths.store(10, Ordering::SeqCst);
         assert!(a.reserve(8, 1).is_ok());
+    }
+
+    #[test]
+    fn would_admit_reserves_nothing_and_says_why_not() {
+        let a = Admission::new(caps(Some(1024), Some(4)));
+        assert_eq!(a.would_admit(1024, 4), Ok(()));
+        let _held = a.reserve(512, 1).unwrap();
+        let why = a.would_admit(1024, 1).unwrap_err();
+        assert!(why.contains("512 of 1024 MiB"), "{why}");
+        assert!(a.would_admit(256, 4).unwrap_err().contains("vCPUs"));
+        assert_eq!(a.in_use(), (512, 1), "asking reserved nothing");
     }
 
     #[test]
