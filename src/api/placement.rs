@@ -122,7 +122,7 @@ fn peers_with_room(cluster: &Cluster, template: &str) -> (Vec<(String, Size)>, V
 /// Whether a card's free capacity covers a VM of `size`: its free memory (for the
 /// order), or why not.
 fn has_room(free: &NodeCapacity, (memory, vcpus): Size) -> Result<u64, String> {
-    if free.vcpus_free < u64::from(vcpus) {
+    if free.vcpus_capped && free.vcpus_free < u64::from(vcpus) {
         return Err(format!(
             "{} vCPUs free, {vcpus} needed (its last card)",
             free.vcpus_free
@@ -240,6 +240,7 @@ mod tests {
             capacity: NodeCapacity {
                 memory_free_mb: free_mb,
                 vcpus_free: vcpus,
+                vcpus_capped: true,
                 memory_reserved_mb: 0,
                 vcpus_reserved: 0,
                 running: 0,

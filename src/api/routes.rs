@@ -369,6 +369,7 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
     let capacity = crate::cluster::peers::NodeCapacity {
         memory_free_mb: room.free.memory_free_mb,
         vcpus_free: room.free.vcpus_free,
+        vcpus_capped: room.free.vcpus_capped,
         memory_reserved_mb: room.free.memory_reserved_mb,
         vcpus_reserved: room.free.vcpus_reserved,
         running: room.running as u64,
@@ -389,6 +390,7 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
                 "failure": p.failure,
                 "lastAnsweredSecsAgo": p.answered.elapsed().as_secs(),
                 "capacity": p.card.capacity,
+                "templates": p.card.templates.len(),
             })
         })
         .collect();

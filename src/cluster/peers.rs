@@ -75,6 +75,9 @@ pub struct NodeCapacity {
     #[serde(rename = "memoryFreeMB")]
     pub memory_free_mb: Option<u64>,
     pub vcpus_free: u64,
+    /// Whether `vcpusFree` is a cap admission enforces (else it counts host CPUs).
+    #[serde(default)]
+    pub vcpus_capped: bool,
     #[serde(rename = "memoryReservedMB")]
     pub memory_reserved_mb: u64,
     pub vcpus_reserved: u64,
@@ -273,6 +276,7 @@ mod tests {
             capacity: NodeCapacity {
                 memory_free_mb: Some(1000),
                 vcpus_free: 4,
+                vcpus_capped: true,
                 memory_reserved_mb: 0,
                 vcpus_reserved: 0,
                 running: 0,

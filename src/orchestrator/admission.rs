@@ -291,6 +291,7 @@ impl Admission {
         Capacity {
             memory_free_mb,
             vcpus_free: vcpu_limit.saturating_sub(used.vcpus),
+            vcpus_capped: self.limits.vcpus.is_some(),
             memory_reserved_mb: used.memory_mb,
             vcpus_reserved: used.vcpus,
         }
@@ -373,6 +374,9 @@ pub struct Capacity {
     /// known.
     pub memory_free_mb: Option<u64>,
     pub vcpus_free: u64,
+    /// Whether admission caps vCPUs (`max_vcpus`, `vcpu_overcommit`): without a cap,
+    /// `vcpus_free` counts the host's CPUs but refuses nothing.
+    pub vcpus_capped: bool,
     pub memory_reserved_mb: u64,
     pub vcpus_reserved: u64,
 }
