@@ -364,6 +364,15 @@ fn create_with(s: &Server, template: &str, headers: &[(&str, &str)]) -> (u16, se
 /// Builds [`ALIAS`] once with the python SDK through HAProxy; its template id, after
 /// checking every node has it under that id and every node's peers list it.
 fn build_everywhere(c: &Cluster) -> String {
+    for a in NODES {
+        for b in NODES.iter().filter(|b| **b != a) {
+            must(
+                Duration::from_secs(20),
+                &format!("{a} never found {b}"),
+                || knows(c.node(a), b),
+            );
+        }
+    }
     let lines = common::sdk::run_sdk_with(
         &c.lb,
         &common::sdk::sdk_tools().0,

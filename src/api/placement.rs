@@ -56,8 +56,8 @@ pub fn elsewhere(
         )
     });
     let mut why_not = Vec::new();
-    match size {
-        Some((memory, vcpus)) => match ctx.orchestrator.observe().would_admit(memory, vcpus) {
+    match &local {
+        Some(snapshot) => match ctx.orchestrator.observe().would_admit(snapshot) {
             Ok(()) => return Ok(None),
             Err(why) => why_not.push(format!("{} (here): {why}", cluster.node)),
         },

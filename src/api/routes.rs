@@ -375,7 +375,9 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
         running: room.running as u64,
     };
     let Some(cluster) = &ctx.cluster else {
-        let body = json!({"node": null, "advertiseUrl": null, "capacity": capacity, "peers": []});
+        let templates = super::placement::card_templates(ctx);
+        let body = json!({"node": null, "advertiseUrl": null, "capacity": capacity,
+            "templates": templates, "peers": []});
         return Ok(Reply::json(200, body));
     };
     let peers: Vec<Value> = cluster

@@ -39,6 +39,15 @@ pub(crate) struct Admission {
     refusals: Refusals,
 }
 
+/// What the standby pool means to a start now ([`Admission::would_admit`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Standbys {
+    /// A standby of the template waits: a create claims it.
+    pub claims: bool,
+    /// The shares (memory MiB, vCPUs) all standbys hold.
+    pub held: (u64, u64),
+}
+
 /// What a VM lacks, and the operator's message.
 type Short = (Exhausted, String);
 
@@ -188,35 +197,46 @@ impl Admission {
     }
 
     /// Whether a VM of this size would be admitted now, without reserving anything
-    /// (a cluster node asks before it places a create here): why not, when not.
-    pub fn would_admit(&self, memory_mb: u32, vcpus: u32) -> Result<(), String> {
+    /// (a cluster node asks before it places a create here): why not, when not. A
+    /// create that claims a standby needs the host's headroom only (`standby.claims`);
+    /// another start may take back the shares standbys hold (`standby.held`).
+    pub fn would_admit(&self, memory_mb: u32, vcpus: u32, standby: Standbys) -> Result<(), String> {
         let (memory_mb, vcpus) = (u64::from(memory_mb), u64::from(vcpus));
         let mut used = self.used.lock();
-        self.caps_room(&used, memory_mb, vcpus)
-            .and_then(|()| self.headroom_room(&mut used, memory_mb).map(|_| ()))
+        let caps = if standby.claims {
+            Ok(())
+        } else {
+            let (m, v) = standby.held;
+            let (memory, cpus) = (
+                used.memory_mb.saturating_sub(m),
+                used.vcpus.saturating_sub(v),
+            );
+            self.caps_room((memory, cpus), memory_mb, vcpus)
+        };
+        caps.and_then(|()| self.headroom_room(&mut used, memory_mb).map(|_| ()))
             .map_err(|(_, why)| why)
     }
 
     fn check_caps(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), OrchError> {
-        self.caps_room(used, memory_mb, vcpus)
+        self.caps_room((used.memory_mb, used.vcpus), memory_mb, vcpus)
             .map_err(|(kind, why)| self.refusals.refuse(kind, why))
     }
 
-    fn caps_room(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), Short> {
-        if let Some(limit) = self
-            .limits
-            .memory_mb
-            .filter(|l| used.memory_mb + memory_mb > *l)
-        {
+    /// The caps' verdict on a VM of this size when (memory MiB, vCPUs) are in use.
+    fn caps_room(
+        &self,
+        (in_use_mb, in_use_vcpus): (u64, u64),
+        memory_mb: u64,
+        vcpus: u64,
+    ) -> Result<(), Short> {
+        if let Some(limit) = self.limits.memory_mb.filter(|l| in_use_mb + memory_mb > *l) {
             return Err((Exhausted::MemoryCap, format!(
-                "not enough memory for another VM: {} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
-                used.memory_mb
+                "not enough memory for another VM: {in_use_mb} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox"
             )));
         }
-        if let Some(limit) = self.limits.vcpus.filter(|l| used.vcpus + vcpus > *l) {
+        if let Some(limit) = self.limits.vcpus.filter(|l| in_use_vcpus + vcpus > *l) {
             return Err((Exhausted::VcpuCap, format!(
-                "not enough vCPUs for another VM: {} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox",
-                used.vcpus
+                "not enough vCPUs for another VM: {in_use_vcpus} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox"
             )));
         }
         Ok(())
@@ -389,6 +409,13 @@ pub(crate) struct Reservation {
     vcpus: u64,
 }
 
+impl Reservation {
+    /// The share held: (memory MiB, vCPUs).
+    pub fn share(&self) -> (u64, u64) {
+        (self.memory_mb, self.vcpus)
+    }
+}
+
 impl std::fmt::Debug for Admission {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admission")
@@ -521,12 +548,24 @@ mod tests {
     #[test]
     fn would_admit_reserves_nothing_and_says_why_not() {
         let a = Admission::new(caps(Some(1024), Some(4)));
-        assert_eq!(a.would_admit(1024, 4), Ok(()));
+        let none = Standbys::default();
+        assert_eq!(a.would_admit(1024, 4, none), Ok(()));
         let _held = a.reserve(512, 1).unwrap();
-        let why = a.would_admit(1024, 1).unwrap_err();
+        let why = a.would_admit(1024, 1, none).unwrap_err();
         assert!(why.contains("512 of 1024 MiB"), "{why}");
-        assert!(a.would_admit(256, 4).unwrap_err().contains("vCPUs"));
+        assert!(a.would_admit(256, 4, none).unwrap_err().contains("vCPUs"));
         assert_eq!(a.in_use(), (512, 1), "asking reserved nothing");
+        // The 512 MiB are a standby's: a claim needs no share, another start takes it back.
+        let claims = Standbys {
+            claims: true,
+            held: (512, 1),
+        };
+        assert_eq!(a.would_admit(1024, 4, claims), Ok(()));
+        let takes_back = Standbys {
+            claims: false,
+            held: (512, 1),
+        };
+        assert_eq!(a.would_admit(1024, 4, takes_back), Ok(()));
     }
 
     #[test]

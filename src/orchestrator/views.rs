@@ -285,14 +285,16 @@ impl Observer<'_> {
         }
     }
 
-    /// Whether admission would start a VM of this size now, reserving nothing (cluster
-    /// placement); why not, when not.
-    pub fn would_admit(&self, memory_mb: u32, vcpus: u32) -> Result<(), String> {
-        self.orch
-            .shared
-            .launcher
+    /// Whether admission would start a sandbox from `snapshot` now, reserving nothing
+    /// (cluster placement): with a standby of it waiting, as its claim would; why not,
+    /// when not.
+    pub fn would_admit(&self, snapshot: &SnapshotRecord) -> Result<(), String> {
+        let launcher = &self.orch.shared.launcher;
+        let r = snapshot.settings.resources;
+        let standby = launcher.standby.standing(&snapshot.id);
+        launcher
             .admission
-            .would_admit(memory_mb, vcpus)
+            .would_admit(r.memory_mb, r.cpu_count, standby)
     }
 
     /// This host's name, as the console shows it next to each sandbox.

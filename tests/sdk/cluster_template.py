@@ -22,6 +22,7 @@ def body():
         Template(file_context_path=ctx)
         .from_image(IMAGE)
         .copy("marker.txt", "/srv/marker.txt")
+        .set_user("root")
         .run_cmd("echo built > /srv/built")
     )
     info = Template.build(template, ALIAS, cpu_count=1, memory_mb=256)
