@@ -101,3 +101,45 @@ pub fn echo(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tiny_http::Header;
+
+    fn request(headers: &[(&str, &str)]) -> Request {
+        let mut r = tiny_http::TestRequest::new();
+        for (k, v) in headers {
+            r = r.with_header(Header::from_bytes(*k, *v).unwrap());
+        }
+        r.into()
+    }
+
+    #[test]
+    fn only_a_peers_build_request_names_its_ids() {
+        let (t, b) = (
+            "01900000-0000-7000-8000-000000000001",
+            "01900000-0000-7000-8000-000000000002",
+        );
+        let ids = build_ids(&request(&[
+            (FORWARDED_BY, "n2"),
+            (TEMPLATE_ID, t),
+            (BUILD_ID, b),
+        ]));
+        let ids = ids.unwrap().unwrap();
+        assert_eq!((ids.template_id.as_str(), ids.build_id.as_str()), (t, b));
+        // A client's request: its ids are this node's to choose.
+        assert!(build_ids(&request(&[(TEMPLATE_ID, t), (BUILD_ID, b)]))
+            .unwrap()
+            .is_none());
+        assert!(build_ids(&request(&[(FORWARDED_BY, "n2")]))
+            .unwrap()
+            .is_none());
+        for bad in [
+            vec![(FORWARDED_BY, "n2"), (TEMPLATE_ID, t)],
+            vec![(FORWARDED_BY, "n2"), (TEMPLATE_ID, "x"), (BUILD_ID, b)],
+        ] {
+            assert_eq!(build_ids(&request(&bad)).unwrap_err().status, 400);
+        }
+    }
+}

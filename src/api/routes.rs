@@ -2,8 +2,10 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
+use super::everywhere;
 use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
+use crate::cluster::client::Body;
 use crate::cluster::id::is_sandbox_id;
 use crate::config::OnTimeout;
 use crate::orchestrator::{
@@ -1148,9 +1150,7 @@ fn delete_template(ctx: &Context, req: &Request, id_or_name: &str) -> Result<Rep
         Err(e) if e.status() != 404 => return Err(e.into()),
         other => other,
     };
-    use crate::cluster::client::Body;
-    let there =
-        super::everywhere::echo(ctx, req, &[], Body::Empty, super::everywhere::CALL_TIMEOUT);
+    let there = everywhere::echo(ctx, req, &[], Body::Empty, everywhere::CALL_TIMEOUT);
     match here {
         Err(_) if there.iter().any(|(_, r)| r.is_ok()) => Ok(Reply::Empty(204)),
         Err(e) => Err(e.into()),

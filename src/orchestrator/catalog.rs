@@ -316,6 +316,28 @@ mod tests {
     }
 
     #[test]
+    fn a_build_may_take_the_ids_another_node_chose() {
+        let c = catalog();
+        let id = "01900000-0000-7000-8000-00000000000a";
+        let t = c.add_build("app", "b1", Some(id)).unwrap();
+        assert_eq!(t.id, id);
+        assert_eq!(c.add_build("app", "b2", Some(id)).unwrap().id, id);
+        // The nodes' catalogs differ: refused, naming the ids.
+        let other = "01900000-0000-7000-8000-00000000000b";
+        let e = c.add_build("app", "b3", Some(other)).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::Conflict(m) if m.contains(id)),
+            "{e:?}"
+        );
+        let e = c.add_build("web", "b4", Some(id)).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::Conflict(m) if m.contains("as app")),
+            "{e:?}"
+        );
+        let _ = std::fs::remove_dir_all(&c.dir);
+    }
+
+    #[test]
     fn builds_tags_and_collection() {
         let c = catalog();
         let t = c.add_build("app", "b1", None).unwrap();
