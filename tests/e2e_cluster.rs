@@ -572,3 +572,196 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
     let left = host_leftovers();
     assert!(left.is_empty(), "the harness left {left:?}");
 }
+
+/// The alias of the one template the placement test builds.
+const ALIAS: &str = "cluster-app";
+
+/// The sum of `agentenv_cluster_forwarded_total{node=<peer>,result="answered"}` over
+/// the other nodes in `s`'s `/metrics`.
+fn answered_by_peers(s: &Server, this: &str) -> u64 {
+    NODES
+        .iter()
+        .filter(|n| **n != this)
+        .map(|n| {
+            metric(
+                s,
+                &format!("agentenv_cluster_forwarded_total{{node=\"{n}\",result=\"answered\"}}"),
+            )
+        })
+        .sum()
+}
+
+/// `POST /sandboxes` from `template` on `s` with extra headers: (status, answer).
+fn create_with(s: &Server, template: &str, headers: &[(&str, &str)]) -> (u16, serde_json::Value) {
+    let mut req = ureq::post(&format!("{}/sandboxes", s.base))
+        .set("X-API-Key", API_KEY)
+        .timeout(Duration::from_secs(180));
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    match req.send_json(json!({"templateID": template, "timeout": 600})) {
+        Ok(r) => (r.status(), r.into_json().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap_or_default()),
+        Err(e) => panic!("POST /sandboxes on {}: {e}", s.base),
+    }
+}
+
+/// Builds [`ALIAS`] once with the python SDK through HAProxy; its template id, after
+/// checking every node has it under that id and every node's peers list it.
+fn build_everywhere(c: &Cluster) -> String {
+    for a in NODES {
+        for b in NODES.iter().filter(|b| **b != a) {
+            must(
+                Duration::from_secs(20),
+                &format!("{a} never found {b}"),
+                || knows(c.node(a), b),
+            );
+        }
+    }
+    let lines = common::sdk::run_sdk_with(
+        &c.lb,
+        &common::sdk::sdk_tools().0,
+        "cluster_template.py",
+        None,
+        &[
+            ("AENV_TEST_IMAGE", &base_image()),
+            ("AENV_TEST_ALIAS", ALIAS),
+        ],
+    );
+    let id = lines
+        .iter()
+        .find_map(|l| l.split("ok template ").nth(1))
+        .unwrap_or_else(|| panic!("no template id in {lines:?}"))
+        .to_string();
+    for name in NODES {
+        // Each node built it from the same steps: ready there under the same id.
+        must(
+            Duration::from_secs(300),
+            &format!("{name} never had {ALIAS} ready"),
+            || {
+                card(c.node(name))["templates"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|t| t["alias"] == ALIAS)
+            },
+        );
+        let (code, v) = c
+            .node(name)
+            .call("GET", &format!("/templates/aliases/{ALIAS}"), None);
+        assert_eq!(
+            (code, v["templateID"].as_str()),
+            (200, Some(id.as_str())),
+            "{name}: {v}"
+        );
+    }
+    for name in NODES {
+        must(
+            Duration::from_secs(20),
+            &format!("{name}'s peers never listed {ALIAS}"),
+            || {
+                let peers = card(c.node(name))["peers"].as_array().unwrap().clone();
+                peers.len() == 2 && peers.iter().all(|p| p["templates"] == 1)
+            },
+        );
+    }
+    id
+}
+
+#[test]
+fn a_template_built_once_serves_creates_on_every_node_and_a_full_node_places_them() {
+    let _one = serial();
+    {
+        // n1's admission holds one 256 MiB sandbox (and the 256 MiB build VM) at most.
+        let mut c = Cluster::start_with(&[("n1", "[admission]\nmax_memory_mb = 300\n")]);
+        let template = build_everywhere(&c);
+
+        // A dozen creates through HAProxy: all succeed, on more than one node, none
+        // beyond n1's room; each answer names its node.
+        let mut owned: Vec<(String, String)> = Vec::new();
+        for i in 0..12 {
+            let (code, v) = create_with(&c.lb, ALIAS, &[]);
+            assert_eq!(code, 201, "create {i}: {v}");
+            let (id, node) = (id_of(&v), v["clientID"].as_str().unwrap().to_string());
+            assert!(id.ends_with(&format!("-{node}")), "{id} names {node}");
+            owned.push((node, id));
+        }
+        let on = |n: &str| owned.iter().filter(|(node, _)| node == n).count();
+        assert!(on("n1") <= 1, "n1 holds {} sandboxes: {owned:?}", on("n1"));
+        assert!(on("n2") > 0 && on("n3") > 0, "creates landed on {owned:?}");
+        assert_eq!(card(c.node("n1"))["capacity"]["running"], on("n1"));
+        // The template's files and steps are in a sandbox of each node.
+        for n in ["n2", "n3"] {
+            let id = &owned.iter().find(|(node, _)| node == n).unwrap().1;
+            let out = sh(&c.lb, id, "cat /srv/marker.txt /srv/built");
+            assert_eq!(out, "copied through the cluster\nbuilt\n", "{n}");
+        }
+
+        // n1 full: a create it gets goes to a node with room, and n1 counts it.
+        if on("n1") == 0 {
+            let v = c.node("n1").create_from(ALIAS, 600);
+            owned.push(("n1".to_string(), v));
+        }
+        let before = answered_by_peers(c.node("n1"), "n1");
+        let (code, v) = create_with(c.node("n1"), ALIAS, &[]);
+        assert_eq!(code, 201, "{v}");
+        let node = v["clientID"].as_str().unwrap().to_string();
+        assert_ne!(node, "n1", "{v}");
+        owned.push((node, id_of(&v)));
+        assert_eq!(answered_by_peers(c.node("n1"), "n1"), before + 1);
+        // A create forwarded once is served or refused where it arrives: n1 has no room.
+        let (code, v) = create_with(c.node("n1"), ALIAS, &[("X-Aenv-Forwarded-By", "n2")]);
+        assert_eq!(code, 429, "{v}");
+        assert!(
+            v["message"].as_str().unwrap().contains("max_memory_mb"),
+            "{v}"
+        );
+        assert_eq!(answered_by_peers(c.node("n1"), "n1"), before + 1);
+
+        // The python SDK through HAProxy, as a user: creates from the template on more
+        // than one node, commands, files and a PTY on each, one list of all, pause and
+        // resume on each node (tests/sdk/cluster.py).
+        let lines = common::sdk::run_sdk_with(
+            &c.lb,
+            &common::sdk::sdk_tools().0,
+            "cluster.py",
+            None,
+            &[("AENV_SDK_TEMPLATE", ALIAS), ("AENV_CLUSTER_CREATES", "6")],
+        );
+        for want in [
+            "land on more than one node",
+            "Sandbox.list shows every node",
+            "resume on n",
+        ] {
+            assert!(lines.iter().any(|l| l.contains(want)), "{want}: {lines:?}");
+        }
+
+        for (node, id) in &owned {
+            delete(c.node(node), id);
+        }
+        // Deleted through n2: gone on every node, its alias too.
+        let (code, v) = c
+            .node("n2")
+            .call("DELETE", &format!("/templates/{ALIAS}"), None);
+        assert_eq!(code, 204, "{v}");
+        for name in NODES {
+            let s = c.node(name);
+            assert_eq!(
+                s.call("GET", &format!("/templates/{template}"), None).0,
+                404,
+                "{name}"
+            );
+            let (code, _) = s.call("GET", &format!("/templates/aliases/{ALIAS}"), None);
+            assert_eq!(code, 404, "{name}");
+            assert_eq!(card(s)["templates"], json!([]), "{name}");
+        }
+        let (code, v) = create_with(&c.lb, ALIAS, &[]);
+        assert!(
+            code == 400 || code == 404,
+            "a create from the deleted template: {code} {v}"
+        );
+        stop_all_leaving_nothing(&mut c);
+    }
+    let left = host_leftovers();
+    assert!(left.is_empty(), "the harness left {left:?}");
+}

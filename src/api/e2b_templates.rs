@@ -3,8 +3,10 @@
 //! aliases and tags. The builds themselves are the orchestrator's (`templates.rs`).
 
 use super::body::Fields;
+use super::everywhere::{self, BUILD_ID, CALL_TIMEOUT, TEMPLATE_ID, UPLOAD_TIMEOUT};
 use super::routes::{body, resources, Target};
 use super::{models, ApiError, Context, Reply};
+use crate::cluster::client::Body;
 use crate::orchestrator::{
     steps, BuildStatus, CatalogTemplate, LogEntry, LogLevel, Request as OrchRequest, TemplateBuild,
 };
@@ -39,14 +41,19 @@ pub fn request_build(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError
         )));
     }
     let resources = resources(ctx, &f)?;
+    let ids = everywhere::build_ids(req)?;
     let (t, build) = ctx
         .orchestrator
         .handle(OrchRequest::RequestBuild {
             name: &name,
             tags: tags.clone(),
             resources,
+            ids,
         })?
         .into_new_build()?;
+    let ids = [(TEMPLATE_ID, t.id.as_str()), (BUILD_ID, build.id.as_str())];
+    let body = Value::Object(f.0).to_string();
+    everywhere::echo(ctx, req, &ids, Body::Json(body.as_bytes()), CALL_TIMEOUT);
     if tags.is_empty() {
         tags.push(crate::orchestrator::DEFAULT_TAG.to_string());
     }
@@ -137,13 +144,17 @@ pub fn upload(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, Api
     ctx.orchestrator
         .handle(OrchRequest::ReceiveFiles { hash, body })?
         .into_done()?;
+    if let Some(tar) = ctx.orchestrator.catalog().files_tar(hash) {
+        everywhere::echo(ctx, req, &[], Body::File(&tar), UPLOAD_TIMEOUT);
+    }
     Ok(Reply::Empty(201))
 }
 
 /// `POST /v2/templates/{templateID}/builds/{buildID}`: the steps; 202, the build runs.
 pub fn start_build(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply, ApiError> {
     let f: Fields = body(ctx, req)?;
-    let spec = steps::parse_spec(&Value::Object(f.0)).map_err(ApiError::bad_request)?;
+    let steps = Value::Object(f.0);
+    let spec = steps::parse_spec(&steps).map_err(ApiError::bad_request)?;
     ctx.orchestrator
         .handle(OrchRequest::StartBuild {
             template_id: t.var,
@@ -151,6 +162,8 @@ pub fn start_build(ctx: &Context, req: &mut Request, t: &Target) -> Result<Reply
             spec,
         })?
         .into_done()?;
+    let body = steps.to_string();
+    everywhere::echo(ctx, req, &[], Body::Json(body.as_bytes()), CALL_TIMEOUT);
     Ok(Reply::Empty(202))
 }
 
@@ -296,6 +309,8 @@ pub fn assign_tags(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
             tags: &tags,
         })?
         .into_tagged()?;
+    let body = json!({"target": target, "tags": tags}).to_string();
+    everywhere::echo(ctx, req, &[], Body::Json(body.as_bytes()), CALL_TIMEOUT);
     Ok(Reply::json(201, json!({"buildID": build, "tags": tags})))
 }
 
@@ -323,6 +338,8 @@ pub fn remove_tags(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
             tags: &tags,
         })?
         .into_done()?;
+    let body = json!({"name": name, "tags": tags}).to_string();
+    everywhere::echo(ctx, req, &[], Body::Json(body.as_bytes()), CALL_TIMEOUT);
     Ok(Reply::Empty(204))
 }
 

@@ -2,9 +2,11 @@
 
 use super::body::{check_env, read_json, Fields};
 use super::e2b_templates as e2b;
+use super::everywhere;
 use super::merged::{self, Listing, Paging};
 use super::volumes as vol;
 use super::{console, models, query, ApiError, Context, Lane, Reply};
+use crate::cluster::client::Body;
 use crate::cluster::id::is_sandbox_id;
 use crate::config::OnTimeout;
 use crate::orchestrator::{
@@ -238,8 +240,8 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/templates/{idOrName}", Quick, |ctx, _, t| {
         get_template(ctx, t.var)
     }),
-    r(Delete, "/templates/{idOrName}", Control, |ctx, _, t| {
-        delete_template(ctx, t.var)
+    r(Delete, "/templates/{idOrName}", Control, |ctx, req, t| {
+        delete_template(ctx, req, t.var)
     }),
     r(Get, "/metrics/history", Quick, |ctx, _, t| {
         metrics_history(ctx, t.query)
@@ -377,12 +379,15 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
     let capacity = crate::cluster::peers::NodeCapacity {
         memory_free_mb: room.free.memory_free_mb,
         vcpus_free: room.free.vcpus_free,
+        vcpus_capped: room.free.vcpus_capped,
         memory_reserved_mb: room.free.memory_reserved_mb,
         vcpus_reserved: room.free.vcpus_reserved,
         running: room.running as u64,
     };
     let Some(cluster) = &ctx.cluster else {
-        let body = json!({"node": null, "advertiseUrl": null, "capacity": capacity, "peers": []});
+        let templates = super::placement::card_templates(ctx);
+        let body = json!({"node": null, "advertiseUrl": null, "capacity": capacity,
+            "templates": templates, "peers": []});
         return Ok(Reply::json(200, body));
     };
     let peers: Vec<Value> = cluster
@@ -397,6 +402,7 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
                 "failure": p.failure,
                 "lastAnsweredSecsAgo": p.answered.elapsed().as_secs(),
                 "capacity": p.card.capacity,
+                "templates": p.card.templates.len(),
             })
         })
         .collect();
@@ -404,6 +410,7 @@ fn cluster_node(ctx: &Context) -> Result<Reply, ApiError> {
         node: cluster.node.clone(),
         advertise_url: cluster.advertise_url.clone(),
         capacity,
+        templates: super::placement::card_templates(ctx),
     };
     let mut body = serde_json::to_value(card).unwrap_or_default();
     body["peers"] = Value::Array(peers);
@@ -621,6 +628,9 @@ fn create_from_template(
     let key = idempotency_key(req)?;
     let f = body(ctx, req)?;
     let template = f.required_str("templateID")?.to_string();
+    if let Some(reply) = super::placement::elsewhere(ctx, req, &f, &template)? {
+        return Ok(reply);
+    }
     let request = create_fields(ctx, &f, defaults)?;
     let host = ctx.orchestrator.host_limits();
     let cpu_count = f
@@ -1148,11 +1158,23 @@ fn create_template(ctx: &Context, req: &mut Request) -> Result<Reply, ApiError> 
     ))
 }
 
-fn delete_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
-    ctx.orchestrator
-        .handle(OrchRequest::DeleteTemplate { id_or_name })?
-        .into_done()?;
-    Ok(Reply::Empty(204))
+/// `DELETE /templates/{idOrName}`; on a cluster node, on every node (docs/cluster.md):
+/// 204 when any node had it.
+fn delete_template(ctx: &Context, req: &Request, id_or_name: &str) -> Result<Reply, ApiError> {
+    let here = ctx
+        .orchestrator
+        .handle(OrchRequest::DeleteTemplate { id_or_name })
+        .and_then(|r| r.into_done());
+    let here = match here {
+        Err(e) if e.status() != 404 => return Err(e.into()),
+        other => other,
+    };
+    let there = everywhere::echo(ctx, req, &[], Body::Empty, everywhere::CALL_TIMEOUT);
+    match here {
+        Err(_) if there.iter().any(|(_, r)| r.is_ok()) => Ok(Reply::Empty(204)),
+        Err(e) => Err(e.into()),
+        Ok(()) => Ok(Reply::Empty(204)),
+    }
 }
 
 fn get_params(ctx: &Context, id: &str) -> Result<Reply, ApiError> {

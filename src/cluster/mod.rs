@@ -7,6 +7,7 @@
 //! our own.
 
 pub mod ask;
+pub mod client;
 pub mod id;
 pub mod peer;
 pub mod peers;
@@ -14,6 +15,7 @@ pub mod peers;
 use crate::config::ClusterConfig;
 pub use ask::PartialReason;
 use ask::{Answer, AskError};
+use client::PeerClient;
 use parking_lot::Mutex;
 use peer::PeerUrl;
 use peers::{Discovery, Peer, PeerSource, PeerTable};
@@ -35,7 +37,9 @@ pub struct Cluster {
     /// Peers left out of a merged answer, by why.
     pub partial: NodeCounts<PartialReason>,
     /// Calls to peers for merged answers, each within `[cluster] peer_timeout_ms`.
-    agent: ureq::Agent,
+    pub(crate) agent: ureq::Agent,
+    /// Asks the peers (cards, placed creates, templates on every node).
+    pub client: PeerClient,
 }
 
 impl Cluster {
@@ -63,6 +67,10 @@ impl Cluster {
             forwarded: NodeCounts::default(),
             partial: NodeCounts::default(),
             agent: ask::agent(Duration::from_millis(cfg.peer_timeout_ms)),
+            client: PeerClient {
+                this: node.to_string(),
+                api_key: api_key.to_string(),
+            },
         });
         let discovery = Discovery {
             source,

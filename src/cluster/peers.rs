@@ -17,7 +17,10 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// Largest `GET /cluster/node` answer taken from a peer.
-pub const MAX_CARD_BYTES: u64 = 64 * 1024;
+pub const MAX_CARD_BYTES: u64 = 256 * 1024;
+/// Most templates a card lists (the newest first); a node with more serves the others
+/// only to creates that reach it (docs/cluster.md, "Placement").
+pub const MAX_CARD_TEMPLATES: usize = 1000;
 
 /// What a node says of itself at `GET /cluster/node` (api.md §4.29).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +29,42 @@ pub struct NodeCard {
     pub node: String,
     pub advertise_url: String,
     pub capacity: NodeCapacity,
+    /// What creates may start from here: the ready templates and snapshots, at most
+    /// [`MAX_CARD_TEMPLATES`] (a card without the field lists none).
+    #[serde(default)]
+    pub templates: Vec<CardTemplate>,
+}
+
+/// One template (or snapshot) a node can start sandboxes from, and their size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CardTemplate {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    /// Its name (the E2B alias), when it has one.
+    #[serde(default)]
+    pub alias: Option<String>,
+    /// Its tags with a ready build (`default` among them) for an E2B template.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    pub cpu_count: u32,
+}
+
+impl NodeCard {
+    /// The template `wanted` (id, name or `name:tag`, as a create names it) if this node
+    /// can start it.
+    pub fn template(&self, wanted: &str) -> Option<&CardTemplate> {
+        let (name, tag) = match wanted.split_once(':') {
+            Some((n, t)) => (n, Some(t)),
+            None => (wanted, None),
+        };
+        self.templates.iter().find(|t| {
+            (t.template_id == name || t.alias.as_deref() == Some(name))
+                && tag.is_none_or(|tag| t.tags.iter().any(|x| x == tag))
+        })
+    }
 }
 
 /// A node's free capacity, from its admission (docs/operations.md §12).
@@ -36,6 +75,9 @@ pub struct NodeCapacity {
     #[serde(rename = "memoryFreeMB")]
     pub memory_free_mb: Option<u64>,
     pub vcpus_free: u64,
+    /// Whether `vcpusFree` is a cap admission enforces (else it counts host CPUs).
+    #[serde(default)]
+    pub vcpus_capped: bool,
     #[serde(rename = "memoryReservedMB")]
     pub memory_reserved_mb: u64,
     pub vcpus_reserved: u64,
@@ -198,6 +240,8 @@ fn ask(agent: &ureq::Agent, url: &PeerUrl, api_key: &str) -> Result<NodeCard, St
     if !super::id::is_node_name(&card.node) {
         return Err(format!("answered the node name {:?}", card.node));
     }
+    let mut card = card;
+    card.templates.truncate(MAX_CARD_TEMPLATES);
     Ok(card)
 }
 
@@ -216,10 +260,12 @@ mod tests {
             capacity: NodeCapacity {
                 memory_free_mb: Some(1000),
                 vcpus_free: 4,
+                vcpus_capped: true,
                 memory_reserved_mb: 0,
                 vcpus_reserved: 0,
                 running: 0,
             },
+            templates: Vec::new(),
         }
     }
 
@@ -262,6 +308,37 @@ mod tests {
         table.apply(vec![(c.clone(), Ok(card("n4")))], t0);
         assert!(table.get("n2").is_none(), "n2 is no longer at {c}");
         assert_eq!(table.get("n4").unwrap().url, c);
+    }
+
+    #[test]
+    fn a_card_names_its_templates_by_id_alias_and_tag() {
+        let mut c = card("n2");
+        c.templates.push(CardTemplate {
+            template_id: "01900000-0000-7000-8000-000000000001".into(),
+            alias: Some("app".into()),
+            tags: vec!["default".into(), "v1".into()],
+            memory_mb: 512,
+            cpu_count: 1,
+        });
+        for hit in [
+            "app",
+            "app:v1",
+            "app:default",
+            "01900000-0000-7000-8000-000000000001",
+        ] {
+            assert_eq!(c.template(hit).map(|t| t.memory_mb), Some(512), "{hit}");
+        }
+        for miss in ["app:v2", "other", "01900000-0000-7000-8000-000000000002"] {
+            assert!(c.template(miss).is_none(), "{miss}");
+        }
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["templates"][0]["templateID"], c.templates[0].template_id);
+        assert_eq!(v["templates"][0]["memoryMB"], 512);
+        // A card of a node without templates on its card still reads.
+        let mut old = v.clone();
+        old.as_object_mut().unwrap().remove("templates");
+        let back: NodeCard = serde_json::from_value(old).unwrap();
+        assert!(back.templates.is_empty());
     }
 
     #[test]

@@ -39,6 +39,18 @@ pub(crate) struct Admission {
     refusals: Refusals,
 }
 
+/// What the standby pool means to a start now ([`Admission::would_admit`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Standbys {
+    /// A standby of the template waits: a create claims it.
+    pub claims: bool,
+    /// The shares (memory MiB, vCPUs) all standbys hold.
+    pub held: (u64, u64),
+}
+
+/// What a VM lacks, and the operator's message.
+type Short = (Exhausted, String);
+
 /// What a refused start lacked: the `reason` label of `agentenv_admission_refusals_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Exhausted {
@@ -184,21 +196,47 @@ impl Admission {
         Ok(())
     }
 
+    /// Whether a VM of this size would be admitted now, without reserving anything
+    /// (a cluster node asks before it places a create here): why not, when not. A
+    /// create that claims a standby needs the host's headroom only (`standby.claims`);
+    /// another start may take back the shares standbys hold (`standby.held`).
+    pub fn would_admit(&self, memory_mb: u32, vcpus: u32, standby: Standbys) -> Result<(), String> {
+        let (memory_mb, vcpus) = (u64::from(memory_mb), u64::from(vcpus));
+        let mut used = self.used.lock();
+        let caps = if standby.claims {
+            Ok(())
+        } else {
+            let (m, v) = standby.held;
+            let (memory, cpus) = (
+                used.memory_mb.saturating_sub(m),
+                used.vcpus.saturating_sub(v),
+            );
+            self.caps_room((memory, cpus), memory_mb, vcpus)
+        };
+        caps.and_then(|()| self.headroom_room(&mut used, memory_mb).map(|_| ()))
+            .map_err(|(_, why)| why)
+    }
+
     fn check_caps(&self, used: &Usage, memory_mb: u64, vcpus: u64) -> Result<(), OrchError> {
-        if let Some(limit) = self
-            .limits
-            .memory_mb
-            .filter(|l| used.memory_mb + memory_mb > *l)
-        {
-            return Err(self.refusals.refuse(Exhausted::MemoryCap, format!(
-                "not enough memory for another VM: {} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox",
-                used.memory_mb
+        self.caps_room((used.memory_mb, used.vcpus), memory_mb, vcpus)
+            .map_err(|(kind, why)| self.refusals.refuse(kind, why))
+    }
+
+    /// The caps' verdict on a VM of this size when (memory MiB, vCPUs) are in use.
+    fn caps_room(
+        &self,
+        (in_use_mb, in_use_vcpus): (u64, u64),
+        memory_mb: u64,
+        vcpus: u64,
+    ) -> Result<(), Short> {
+        if let Some(limit) = self.limits.memory_mb.filter(|l| in_use_mb + memory_mb > *l) {
+            return Err((Exhausted::MemoryCap, format!(
+                "not enough memory for another VM: {in_use_mb} of {limit} MiB in use by running sandboxes and builds, {memory_mb} MiB asked ([admission] max_memory_mb); pause or delete a sandbox"
             )));
         }
-        if let Some(limit) = self.limits.vcpus.filter(|l| used.vcpus + vcpus > *l) {
-            return Err(self.refusals.refuse(Exhausted::VcpuCap, format!(
-                "not enough vCPUs for another VM: {} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox",
-                used.vcpus
+        if let Some(limit) = self.limits.vcpus.filter(|l| in_use_vcpus + vcpus > *l) {
+            return Err((Exhausted::VcpuCap, format!(
+                "not enough vCPUs for another VM: {in_use_vcpus} of {limit} in use by running sandboxes and builds, {vcpus} asked ([admission] max_vcpus, vcpu_overcommit); pause or delete a sandbox"
             )));
         }
         Ok(())
@@ -207,6 +245,11 @@ impl Admission {
     /// The startup memory this VM counts for while it settles; 429 when the host lacks
     /// it. Unknown host figures admit (a host without /proc/meminfo has the caps only).
     fn check_headroom(&self, used: &mut Usage, memory_mb: u64) -> Result<u64, OrchError> {
+        self.headroom_room(used, memory_mb)
+            .map_err(|(kind, why)| self.refusals.refuse(kind, why))
+    }
+
+    fn headroom_room(&self, used: &mut Usage, memory_mb: u64) -> Result<u64, Short> {
         let Some((room, host)) = &self.headroom else {
             return Ok(0);
         };
@@ -222,7 +265,7 @@ impl Admission {
         let settling: u64 = used.settling.iter().map(|(_, mb)| mb).sum();
         if let Some(available) = host.available_mb() {
             if available < room.reserve_mb + startup + settling {
-                return Err(self.refusals.refuse(Exhausted::HostMemory, format!(
+                return Err((Exhausted::HostMemory, format!(
                     "not enough free host memory for another VM: {available} MiB available (MemAvailable), {} MiB kept for the host ([admission] reserved_memory_mb), {startup} MiB needed to start it and {settling} MiB by VMs still starting; pause or delete a sandbox, or lower the reserve",
                     room.reserve_mb
                 )));
@@ -230,7 +273,7 @@ impl Admission {
         }
         if room.max_pressure_pct > 0.0 {
             if let Some(p) = host.pressure_pct().filter(|p| *p > room.max_pressure_pct) {
-                return Err(self.refusals.refuse(Exhausted::HostPressure, format!(
+                return Err((Exhausted::HostPressure, format!(
                     "host memory under pressure: tasks stalled on memory {p:.1}% of the last 10 s, above {}% ([admission] max_memory_pressure_pct); pause or delete a sandbox",
                     room.max_pressure_pct
                 )));
@@ -268,6 +311,7 @@ impl Admission {
         Capacity {
             memory_free_mb,
             vcpus_free: vcpu_limit.saturating_sub(used.vcpus),
+            vcpus_capped: self.limits.vcpus.is_some(),
             memory_reserved_mb: used.memory_mb,
             vcpus_reserved: used.vcpus,
         }
@@ -350,6 +394,9 @@ pub struct Capacity {
     /// known.
     pub memory_free_mb: Option<u64>,
     pub vcpus_free: u64,
+    /// Whether admission caps vCPUs (`max_vcpus`, `vcpu_overcommit`): without a cap,
+    /// `vcpus_free` counts the host's CPUs but refuses nothing.
+    pub vcpus_capped: bool,
     pub memory_reserved_mb: u64,
     pub vcpus_reserved: u64,
 }
@@ -360,6 +407,13 @@ pub(crate) struct Reservation {
     admission: Arc<Admission>,
     memory_mb: u64,
     vcpus: u64,
+}
+
+impl Reservation {
+    /// The share held: (memory MiB, vCPUs).
+    pub fn share(&self) -> (u64, u64) {
+        (self.memory_mb, self.vcpus)
+    }
 }
 
 impl std::fmt::Debug for Admission {
@@ -489,6 +543,29 @@ mod tests {
         );
         host.pressure_tenths.store(10, Ordering::SeqCst);
         assert!(a.reserve(8, 1).is_ok());
+    }
+
+    #[test]
+    fn would_admit_reserves_nothing_and_says_why_not() {
+        let a = Admission::new(caps(Some(1024), Some(4)));
+        let none = Standbys::default();
+        assert_eq!(a.would_admit(1024, 4, none), Ok(()));
+        let _held = a.reserve(512, 1).unwrap();
+        let why = a.would_admit(1024, 1, none).unwrap_err();
+        assert!(why.contains("512 of 1024 MiB"), "{why}");
+        assert!(a.would_admit(256, 4, none).unwrap_err().contains("vCPUs"));
+        assert_eq!(a.in_use(), (512, 1), "asking reserved nothing");
+        // The 512 MiB are a standby's: a claim needs no share, another start takes it back.
+        let claims = Standbys {
+            claims: true,
+            held: (512, 1),
+        };
+        assert_eq!(a.would_admit(1024, 4, claims), Ok(()));
+        let takes_back = Standbys {
+            claims: false,
+            held: (512, 1),
+        };
+        assert_eq!(a.would_admit(1024, 4, takes_back), Ok(()));
     }
 
     #[test]

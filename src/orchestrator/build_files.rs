@@ -11,12 +11,10 @@ use super::build_steps::{CopyFiles, StepRunner};
 use super::steps::StepKind;
 use crate::agent::AgentClient;
 use crate::image::unpack::{Budget, Unpacker};
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Inodes an upload may create.
 const MAX_INODES: u64 = 1_000_000;
@@ -49,8 +47,10 @@ impl std::fmt::Display for UploadError {
 pub(crate) struct Uploads {
     dir: PathBuf,
     max_bytes: u64,
-    /// hash → the upload link's token and until when it is good.
-    tokens: Mutex<HashMap<String, (String, Instant)>>,
+    /// The key upload links are signed with: the same on every node of a cluster (it
+    /// follows from the shared API key), so a link one node gave is good on any node
+    /// behind the load balancer (docs/cluster.md, "Templates on every node").
+    link_key: [u8; 32],
 }
 
 /// How long an upload link is good.
@@ -65,8 +65,32 @@ impl Drop for Staging {
     }
 }
 
+/// The key of upload links: derived from the API key when there is one (every node of a
+/// cluster has the same), else fresh for this process.
+pub(crate) fn link_key(api_key: Option<&str>) -> [u8; 32] {
+    use sha2::Digest;
+    match api_key {
+        Some(key) => sha2::Sha256::new()
+            .chain_update(b"agentenv upload links\0")
+            .chain_update(key.as_bytes())
+            .finalize()
+            .into(),
+        None => {
+            let mut bytes = [0u8; 32];
+            crate::sys::fs::random_bytes(&mut bytes).expect("getrandom(2) failed");
+            bytes
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 impl Uploads {
-    pub fn new(dir: PathBuf, max_bytes: u64) -> Uploads {
+    pub fn new(dir: PathBuf, max_bytes: u64, link_key: [u8; 32]) -> Uploads {
         // Leftovers of uploads a crash interrupted.
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for e in entries.flatten() {
@@ -78,28 +102,35 @@ impl Uploads {
         Uploads {
             dir,
             max_bytes,
-            tokens: Mutex::new(HashMap::new()),
+            link_key,
         }
     }
 
-    /// A token for one upload link of `hash` (the SDKs upload without the API key, as to
-    /// a presigned URL).
-    pub fn grant(&self, hash: &str) -> String {
-        let token = crate::util::new_secret();
-        let mut tokens = self.tokens.lock();
-        tokens.retain(|_, (_, until)| *until > Instant::now());
-        tokens.insert(
-            hash.to_string(),
-            (token.clone(), Instant::now() + LINK_LIFETIME),
-        );
-        token
+    fn mac(&self, hash: &str, until: u64) -> String {
+        let message = format!("{hash}.{until}");
+        crate::util::hex(&crate::util::hmac_sha256(
+            &self.link_key,
+            message.as_bytes(),
+        ))
     }
 
-    /// Whether `token` is the live token of `hash`'s link.
+    /// A token for an upload link of `hash` (the SDKs upload without the API key, as to
+    /// a presigned URL): `<until>.<HMAC of hash and until>`, good for [`LINK_LIFETIME`].
+    pub fn grant(&self, hash: &str) -> String {
+        let until = unix_now() + LINK_LIFETIME.as_secs();
+        format!("{until}.{}", self.mac(hash, until))
+    }
+
+    /// Whether `token` is a live token of `hash`'s link.
     pub fn check(&self, hash: &str, token: &str) -> bool {
-        self.tokens.lock().get(hash).is_some_and(|(t, until)| {
-            *until > Instant::now() && crate::util::constant_time_eq(t.as_bytes(), token.as_bytes())
-        })
+        let Some((until, mac)) = token.split_once('.') else {
+            return false;
+        };
+        let Ok(until) = until.parse::<u64>() else {
+            return false;
+        };
+        until > unix_now()
+            && crate::util::constant_time_eq(self.mac(hash, until).as_bytes(), mac.as_bytes())
     }
 
     pub fn tar_path(&self, hash: &str) -> PathBuf {
@@ -273,7 +304,7 @@ mod tests {
 
     fn uploads() -> (Uploads, PathBuf) {
         let dir = std::env::temp_dir().join(format!("aenv-uploads-{}", crate::util::new_id()));
-        (Uploads::new(dir.clone(), 1 << 20), dir)
+        (Uploads::new(dir.clone(), 1 << 20, link_key(None)), dir)
     }
 
     fn tar_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
@@ -292,6 +323,25 @@ mod tests {
             b.append(&h, *data).unwrap();
         }
         b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn upload_links_are_good_on_every_node_with_the_same_key() {
+        let dir = std::env::temp_dir();
+        let key = link_key(Some("k".repeat(32).as_str()));
+        let (here, there) = (
+            Uploads::new(dir.clone(), 1, key),
+            Uploads::new(dir.clone(), 1, key),
+        );
+        let hash = "a".repeat(64);
+        let token = here.grant(&hash);
+        assert!(here.check(&hash, &token) && there.check(&hash, &token));
+        assert!(!there.check(&"b".repeat(64), &token), "another hash");
+        let other = Uploads::new(dir, 1, link_key(Some("o".repeat(32).as_str())));
+        assert!(!other.check(&hash, &token), "another API key");
+        let (_, mac) = token.split_once('.').unwrap();
+        assert!(!here.check(&hash, &format!("1.{mac}")), "expired");
+        assert!(!here.check(&hash, "garbage"));
     }
 
     #[test]

@@ -45,6 +45,14 @@ impl CatalogTemplate {
     }
 }
 
+/// The ids a build is made with when another node chose them (a cluster's build runs on
+/// every node under the same ids, docs/cluster.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildIds {
+    pub template_id: String,
+    pub build_id: String,
+}
+
 /// Splits `name[:tag]`.
 pub fn split_tag(name: &str) -> (&str, Option<&str>) {
     match name.split_once(':') {
@@ -132,23 +140,40 @@ impl Catalog {
         }))
     }
 
-    /// The template named `name`, made when new; the build is added to it.
-    pub fn add_build(&self, name: &str, build_id: &str) -> Result<CatalogTemplate, OrchError> {
+    /// The template named `name`, made when new (with the id `template_id` when
+    /// given); the build is added to it. 409 when `template_id` names another template.
+    pub fn add_build(
+        &self,
+        name: &str,
+        build_id: &str,
+        template_id: Option<&str>,
+    ) -> Result<CatalogTemplate, OrchError> {
         let mut map = self.templates.lock();
         let now = SystemTime::now();
-        let mut t = map
-            .values()
-            .find(|t| t.name == name)
-            .cloned()
-            .unwrap_or_else(|| CatalogTemplate {
-                id: crate::util::new_id(),
-                name: name.to_string(),
-                tags: BTreeMap::new(),
-                builds: Vec::new(),
-                build_count: 0,
-                created_at: now,
-                updated_at: now,
-            });
+        let existing = map.values().find(|t| t.name == name).cloned();
+        if let Some(want) = template_id {
+            let clash = match &existing {
+                Some(t) if t.id != want => Some(format!("this node has it as {}", t.id)),
+                None => map
+                    .get(want)
+                    .map(|t| format!("this node has {want} as {}", t.name)),
+                _ => None,
+            };
+            if let Some(clash) = clash {
+                return Err(OrchError::Conflict(format!(
+                    "template {name} cannot get the id {want}: {clash} (the nodes' catalogs differ: delete the template through any node and build it again)"
+                )));
+            }
+        }
+        let mut t = existing.unwrap_or_else(|| CatalogTemplate {
+            id: template_id.map_or_else(crate::util::new_id, str::to_string),
+            name: name.to_string(),
+            tags: BTreeMap::new(),
+            builds: Vec::new(),
+            build_count: 0,
+            created_at: now,
+            updated_at: now,
+        });
         t.builds.push(build_id.to_string());
         t.build_count += 1;
         t.updated_at = now;
@@ -291,9 +316,31 @@ mod tests {
     }
 
     #[test]
+    fn a_build_may_take_the_ids_another_node_chose() {
+        let c = catalog();
+        let id = "01900000-0000-7000-8000-00000000000a";
+        let t = c.add_build("app", "b1", Some(id)).unwrap();
+        assert_eq!(t.id, id);
+        assert_eq!(c.add_build("app", "b2", Some(id)).unwrap().id, id);
+        // The nodes' catalogs differ: refused, naming the ids.
+        let other = "01900000-0000-7000-8000-00000000000b";
+        let e = c.add_build("app", "b3", Some(other)).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::Conflict(m) if m.contains(id)),
+            "{e:?}"
+        );
+        let e = c.add_build("web", "b4", Some(id)).unwrap_err();
+        assert!(
+            matches!(&e, OrchError::Conflict(m) if m.contains("as app")),
+            "{e:?}"
+        );
+        let _ = std::fs::remove_dir_all(&c.dir);
+    }
+
+    #[test]
     fn builds_tags_and_collection() {
         let c = catalog();
-        let t = c.add_build("app", "b1").unwrap();
+        let t = c.add_build("app", "b1", None).unwrap();
         assert!(c.resolve("app").unwrap().is_err(), "nothing ready yet");
         assert!(c
             .set_ready(&t.id, "b1", &["v1".into()], &|_| true)
@@ -302,7 +349,7 @@ mod tests {
         assert_eq!(c.resolve("app").unwrap().unwrap(), "b1");
         assert_eq!(c.resolve("app:v1").unwrap().unwrap(), "b1");
         assert_eq!(c.resolve(&t.id).unwrap().unwrap(), "b1");
-        let t2 = c.add_build("app", "b2").unwrap();
+        let t2 = c.add_build("app", "b2", None).unwrap();
         assert_eq!(t2.id, t.id, "one template per name");
         // b1 keeps its v1 tag, so it is not collected; a third build frees it.
         assert!(c.set_ready(&t.id, "b2", &[], &|_| true).unwrap().is_empty());
@@ -311,7 +358,7 @@ mod tests {
             c.remove_tags("app", &["v1".into()], &|_| true).unwrap(),
             vec!["b1"]
         );
-        c.add_build("app", "b3").unwrap();
+        c.add_build("app", "b3", None).unwrap();
         assert_eq!(
             c.set_ready(&t.id, "b3", &[], &|_| true).unwrap(),
             vec!["b2"]
@@ -326,7 +373,7 @@ mod tests {
     #[test]
     fn a_failed_first_build_leaves_no_template() {
         let c = catalog();
-        let t = c.add_build("x", "b1").unwrap();
+        let t = c.add_build("x", "b1", None).unwrap();
         c.drop_build(&t.id, "b1");
         assert!(c.find("x").is_none());
         let _ = std::fs::remove_dir_all(&c.dir);

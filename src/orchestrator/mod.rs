@@ -45,7 +45,7 @@ mod wake;
 
 pub use admission::Capacity;
 pub use build_files::UploadError;
-pub use catalog::{valid_tag, CatalogTemplate, DEFAULT_TAG};
+pub use catalog::{valid_tag, BuildIds, CatalogTemplate, DEFAULT_TAG};
 pub use envd::{Access, EnvdRoute, EnvdTarget};
 pub use error::{NotReady, OrchError};
 pub use request::{ConnectKind, CreateFrom, ExpiryChange, Request, Response};
@@ -223,8 +223,11 @@ impl Orchestrator {
         ));
         let catalog = catalog::Catalog::load(layout.catalog());
         let step_cache = step_cache::StepCache::new(layout.build_cache());
-        let uploads =
-            build_files::Uploads::new(layout.template_files(), config.templates.max_upload_bytes);
+        let uploads = build_files::Uploads::new(
+            layout.template_files(),
+            config.templates.max_upload_bytes,
+            build_files::link_key(config.server.api_key.as_deref()),
+        );
         let disk = launcher.disk.clone();
         let volumes = crate::volume::VolumeStore::load(layout.volumes());
         let shared = Arc::new(Shared {
@@ -477,9 +480,10 @@ impl Orchestrator {
         name: &str,
         tags: Vec<String>,
         resources: Resources,
+        ids: Option<BuildIds>,
     ) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
         self.on_state_disk(DiskUse::Build, || {
-            templates::request_build(&self.shared, name, tags, resources)
+            templates::request_build(&self.shared, name, tags, resources, ids)
         })
     }
 

@@ -113,6 +113,8 @@ pub enum Request<'a> {
         name: &'a str,
         tags: Vec<String>,
         resources: Resources,
+        /// The ids another node chose (a cluster's build on every node), else fresh.
+        ids: Option<super::BuildIds>,
     },
     /// `POST /v2/templates/{id}/builds/{buildID}`.
     StartBuild {
@@ -435,7 +437,8 @@ impl Orchestrator {
                 name,
                 tags,
                 resources,
-            } => R::NewBuild(Box::new(self.request_build(name, tags, resources)?)),
+                ids,
+            } => R::NewBuild(Box::new(self.request_build(name, tags, resources, ids)?)),
             Request::StartBuild {
                 template_id,
                 build_id,

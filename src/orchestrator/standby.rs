@@ -312,6 +312,20 @@ impl StandbyPool {
     }
 
     /// Standbys waiting now.
+    /// What the pool means to a create from `template` now: whether a standby of it
+    /// waits, and the shares all standbys hold (cluster placement asks).
+    pub fn standing(&self, template: &str) -> super::admission::Standbys {
+        let state = self.state.lock();
+        let held = state.ready.iter().fold((0, 0), |(m, v), s| {
+            let (sm, sv) = s.claimed.prepared.reservation.share();
+            (m + sm, v + sv)
+        });
+        super::admission::Standbys {
+            claims: state.count(template) > 0,
+            held,
+        }
+    }
+
     pub fn ready(&self) -> usize {
         self.state.lock().ready.len()
     }

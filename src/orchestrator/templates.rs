@@ -6,7 +6,7 @@
 //! restart becomes `error`.
 
 use super::build_steps::{StepFailure, StepRunner};
-use super::catalog::CatalogTemplate;
+use super::catalog::{BuildIds, CatalogTemplate};
 use super::operations;
 use super::sandbox::{Op, SandboxInfo};
 use super::settings::{Resources, SandboxSettings};
@@ -469,14 +469,25 @@ pub(crate) fn request_build(
     name: &str,
     tags: Vec<String>,
     resources: super::settings::Resources,
+    ids: Option<BuildIds>,
 ) -> Result<(CatalogTemplate, TemplateBuild), OrchError> {
     if shared.catalog.find(name).is_none() && shared.snapshots.lookup(name).is_some() {
         return Err(OrchError::Conflict(format!(
             "name {name} is already used by a snapshot or a template built with POST /templates"
         )));
     }
-    let build_id = crate::util::new_id();
-    let template = shared.catalog.add_build(name, &build_id)?;
+    let build_id = match &ids {
+        Some(ids) if shared.builds.builds.lock().contains_key(&ids.build_id) => {
+            return Err(OrchError::Conflict(format!(
+                "build {} exists on this node already",
+                ids.build_id
+            )))
+        }
+        Some(ids) => ids.build_id.clone(),
+        None => crate::util::new_id(),
+    };
+    let template_id = ids.as_ref().map(|i| i.template_id.as_str());
+    let template = shared.catalog.add_build(name, &build_id, template_id)?;
     let req = TemplateRequest {
         name: name.to_string(),
         image: String::new(),

@@ -109,6 +109,24 @@ impl CatalogView<'_> {
             .filter(|b| b.id == build_id)
     }
 
+    /// The snapshot a create from `template` starts from when it is ready here: an E2B
+    /// template's (id, name or `name:tag`: its build's), a template build's or a
+    /// snapshot's own, as `POST /sandboxes` resolves it.
+    pub fn ready_snapshot(&self, template: &str) -> Option<SnapshotRecord> {
+        let key = match self.orch.shared.catalog.resolve(template) {
+            Some(Ok(build)) => build,
+            Some(Err(_)) => return None,
+            None => template.to_string(),
+        };
+        self.orch.shared.snapshots.lookup(&key)
+    }
+
+    /// The stored files of `hash` (a tar), when they are uploaded.
+    pub fn files_tar(&self, hash: &str) -> Option<std::path::PathBuf> {
+        let uploads = &self.orch.shared.uploads;
+        uploads.present(hash).then(|| uploads.tar_path(hash))
+    }
+
     /// Whether a build's files of `hash` are uploaded already.
     pub fn files_present(&self, hash: &str) -> bool {
         self.orch.shared.uploads.present(hash)
@@ -265,6 +283,18 @@ impl Observer<'_> {
             free: self.orch.shared.launcher.admission.capacity(cpus),
             running,
         }
+    }
+
+    /// Whether admission would start a sandbox from `snapshot` now, reserving nothing
+    /// (cluster placement): with a standby of it waiting, as its claim would; why not,
+    /// when not.
+    pub fn would_admit(&self, snapshot: &SnapshotRecord) -> Result<(), String> {
+        let launcher = &self.orch.shared.launcher;
+        let r = snapshot.settings.resources;
+        let standby = launcher.standby.standing(&snapshot.id);
+        launcher
+            .admission
+            .would_admit(r.memory_mb, r.cpu_count, standby)
     }
 
     /// This host's name, as the console shows it next to each sandbox.

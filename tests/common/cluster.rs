@@ -283,8 +283,9 @@ pub fn host_leftovers() -> Vec<String> {
     left
 }
 
-/// A node's server: its config's `[cluster]` names it and lists every node as a peer.
-fn configure_node(name: &str) -> Server {
+/// A node's server: its config's `[cluster]` names it and lists every node as a peer;
+/// `extra` is appended (further sections).
+fn configure_node(name: &str, extra: &str) -> Server {
     let dir = std::env::temp_dir().join(format!(
         "aenv-e2e-{}-{name}-{:x}",
         std::process::id(),
@@ -312,6 +313,7 @@ pool_min = 1
 node = "{name}"
 advertise_url = "{url}"
 peers = [{peers}]
+{extra}
 "#,
         state = state_dir.display(),
         vm = vm_table(&[]),
@@ -393,10 +395,16 @@ impl Cluster {
     /// Builds the lan, starts the three nodes and HAProxy, and waits until HAProxy's
     /// health checks have passed on every node.
     pub fn start() -> Cluster {
+        Cluster::start_with(&[])
+    }
+
+    /// [`Cluster::start`] with more config for some nodes: (node, TOML sections).
+    pub fn start_with(extra: &[(&str, &str)]) -> Cluster {
         let lan = Lan::create();
         let mut nodes = Vec::new();
         for name in NODES {
-            let mut node = configure_node(name);
+            let more = extra.iter().find(|(n, _)| *n == name).map_or("", |e| e.1);
+            let mut node = configure_node(name, more);
             node.spawn();
             nodes.push(node);
         }
