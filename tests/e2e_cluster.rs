@@ -428,15 +428,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
     let _one = serial();
     {
         let mut c = Cluster::start();
-        for a in NODES {
-            for b in NODES.iter().filter(|b| **b != a) {
-                must(
-                    Duration::from_secs(20),
-                    &format!("{a} never found {b}"),
-                    || knows(c.node(a), b),
-                );
-            }
-        }
+        all_know_each_other(&c);
         // One sandbox made directly on n1, then one on n2; n3 holds none.
         let mine = |i: &str| json!({"image": base_image(), "timeout": 600, "metadata": {"suite": "lists", "i": i}});
         let a = id_of(&c.node("n1").create(mine("a")));
@@ -606,9 +598,8 @@ fn create_with(s: &Server, template: &str, headers: &[(&str, &str)]) -> (u16, se
     }
 }
 
-/// Builds [`ALIAS`] once with the python SDK through HAProxy; its template id, after
-/// checking every node has it under that id and every node's peers list it.
-fn build_everywhere(c: &Cluster) -> String {
+/// Waits until every node's peer table has every other node.
+fn all_know_each_other(c: &Cluster) {
     for a in NODES {
         for b in NODES.iter().filter(|b| **b != a) {
             must(
@@ -618,6 +609,12 @@ fn build_everywhere(c: &Cluster) -> String {
             );
         }
     }
+}
+
+/// Builds [`ALIAS`] once with the python SDK through HAProxy; its template id, after
+/// checking every node has it under that id and every node's peers list it.
+fn build_everywhere(c: &Cluster) -> String {
+    all_know_each_other(c);
     let lines = common::sdk::run_sdk_with(
         &c.lb,
         &common::sdk::sdk_tools().0,
