@@ -79,16 +79,18 @@ pub fn echo(
     answers
         .into_iter()
         .map(|(node, answer)| {
-            let result = answer.and_then(|a| match a.status {
-                s if s < 300 => Ok(s),
-                s => Err(format!(
-                    "answered {s}: {}",
-                    String::from_utf8_lossy(&a.body)
-                        .chars()
-                        .take(300)
-                        .collect::<String>()
-                )),
-            });
+            let result = answer
+                .map_err(|e| e.to_string())
+                .and_then(|a| match a.status {
+                    s if s < 300 => Ok(s),
+                    s => Err(format!(
+                        "answered {s}: {}",
+                        String::from_utf8_lossy(&a.body)
+                            .chars()
+                            .take(300)
+                            .collect::<String>()
+                    )),
+                });
             match &result {
                 Ok(status) => log::info!(
                     "op=template_everywhere node={node} method={method} path={path} status={status}"

@@ -87,17 +87,14 @@ pub struct Forwarder {
     cluster: Option<Arc<Cluster>>,
     tunnel_idle: Duration,
     threads: AtomicUsize,
-    /// Sent with the signer question ([`Forwarder::relay_signed`]).
-    api_key: String,
 }
 
 impl Forwarder {
-    pub fn new(cluster: Option<Arc<Cluster>>, tunnel_idle: Duration, api_key: String) -> Forwarder {
+    pub fn new(cluster: Option<Arc<Cluster>>, tunnel_idle: Duration) -> Forwarder {
         Forwarder {
             cluster,
             tunnel_idle,
             threads: AtomicUsize::new(0),
-            api_key,
         }
     }
 
@@ -117,7 +114,7 @@ impl Forwarder {
         };
         let question = signed_url::signer_question(&request, signed);
         let signer = cluster
-            .ask_peers(&question, &self.api_key, SIGNER_ANSWER_MAX)
+            .ask_peers(&question, SIGNER_ANSWER_MAX)
             .into_iter()
             .find_map(|(node, answer)| {
                 let id = answer.ok()?.body["sandboxID"].as_str()?.to_string();

@@ -164,7 +164,7 @@ pub fn across(
     let paging = listing.paging(target.split_once('?').map_or("", |(_, q)| q))?;
     let more = headers.iter().any(|(k, _)| k == "X-Next-Token");
     let mut pages = vec![Page { items, more }];
-    pages.extend(peer_pages(ctx, cluster, listing, target));
+    pages.extend(peer_pages(cluster, listing, target));
     let (items, next) = merge(listing, paging, pages);
     Ok(Reply::Json {
         status: 200,
@@ -176,10 +176,10 @@ pub fn across(
 }
 
 /// Every answering peer's page of `target`; the others left out (logged, counted).
-fn peer_pages(ctx: &Context, cluster: &Cluster, listing: Listing, target: &str) -> Vec<Page> {
+fn peer_pages(cluster: &Cluster, listing: Listing, target: &str) -> Vec<Page> {
     let path = target.split('?').next().unwrap_or(target);
     cluster
-        .ask_peers(target, &ctx.api_key, MAX_LIST_BYTES)
+        .ask_peers(target, MAX_LIST_BYTES)
         .into_iter()
         .filter_map(
             |(node, answer)| match answer.and_then(|a| page_of(listing, a, path)) {
@@ -241,7 +241,7 @@ pub fn peer_metrics(ctx: &Context, req: &Request, ids: &[String]) -> Map<String,
         })
         .collect();
     let path = "/sandboxes/metrics";
-    for (node, answer) in cluster.ask_nodes(asks, &ctx.api_key, MAX_METRICS_BYTES) {
+    for (node, answer) in cluster.ask_nodes(asks, MAX_METRICS_BYTES) {
         let asked = owners.get(&node).map(Vec::as_slice).unwrap_or_default();
         match answer.and_then(|a| metrics_of(a, asked, path)) {
             Ok(m) => found.extend(m),

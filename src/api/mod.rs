@@ -234,7 +234,6 @@ impl ApiServer {
         let forward = Arc::new(forward::Forwarder::new(
             ctx.cluster.clone(),
             Duration::from_secs(ctx.orchestrator.config().api.tunnel_idle_secs),
-            ctx.api_key.clone(),
         ));
         let envd = Arc::new(envd_proxy::EnvdProxy::new(
             ctx.orchestrator.clone(),

@@ -159,7 +159,7 @@ fn offer(cluster: &Cluster, req: &Request, node: &str, body: &[u8]) -> Result<Re
         Err(why) => {
             cluster.forwarded.record(node, ForwardResult::Unreachable);
             log::warn!("op=place node={node} error=\"{why}\"");
-            return Err(why);
+            return Err(why.to_string());
         }
     };
     cluster.forwarded.record(node, ForwardResult::Answered);
@@ -280,7 +280,7 @@ mod tests {
             peers: Arc::new(table),
             forwarded: NodeCounts::default(),
             partial: NodeCounts::default(),
-            agent: crate::cluster::ask::agent(std::time::Duration::from_secs(1)),
+            peer_timeout: std::time::Duration::from_secs(1),
             client: PeerClient {
                 this: "n1".into(),
                 api_key: String::new(),

@@ -1,14 +1,15 @@
-//! Questions to peers: one `GET` bounded in time and size ([`get`]), many at once
-//! ([`at_once`]).
+//! Questions to peers: one `GET` of a JSON answer bounded in time and size ([`get`],
+//! through the nodes' one client, `client::PeerClient`), many at once ([`at_once`]).
 //!
 //! Used by the `cluster-peers` thread for each peer's card and by the API threads for
 //! lists and metrics merged across nodes (docs/cluster.md, "Lists"). Every byte of an
 //! answer is a peer's and untrusted: the agent's timeout bounds the whole call, the body
 //! is read to at most `max` bytes and must be JSON.
 
+use super::client::{Body, Call, PeerClient};
 use super::peer::PeerUrl;
 use serde_json::Value;
-use std::io::Read;
+use std::time::Duration;
 
 /// Why a peer gave no usable answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,53 +90,37 @@ pub struct Answer {
     pub next_token: Option<String>,
 }
 
-/// An agent for peers: every call within `timeout` in all, no redirects followed (the
-/// API key goes to the peer asked, nowhere else).
-pub fn agent(timeout: std::time::Duration) -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout(timeout)
-        .redirects(0)
-        .build()
-}
-
-/// `GET <url><target>` with `headers`, within the agent's timeout: the JSON body of a 200
-/// answer of at most `max` bytes.
+/// `GET <url><target>` through `client`, within `timeout`: the JSON body of a 200 answer
+/// of at most `max` bytes.
 pub fn get(
-    agent: &ureq::Agent,
+    client: &PeerClient,
     url: &PeerUrl,
     target: &str,
-    headers: &[(&str, &str)],
+    timeout: Duration,
     max: u64,
 ) -> Result<Answer, AskError> {
     let path = target.split('?').next().unwrap_or(target).to_string();
-    let mut request = agent.get(&format!("{url}{target}"));
-    for (name, value) in headers {
-        request = request.set(name, value);
-    }
-    let response = match request.call() {
-        Ok(r) if r.status() == 200 => r,
-        Ok(r) => {
-            let code = r.status();
-            return Err(AskError::Status { path, code });
-        }
-        Err(ureq::Error::Status(code, _)) => return Err(AskError::Status { path, code }),
-        Err(ureq::Error::Transport(t)) => return Err(AskError::Transport(t.to_string())),
+    let call = Call {
+        method: "GET",
+        target,
+        headers: &[],
+        body: Body::Empty,
+        timeout,
+        max_answer: max,
     };
-    let next_token = response.header("X-Next-Token").map(str::to_string);
-    let mut body = Vec::new();
-    response
-        .into_reader()
-        .take(max + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| AskError::Transport(format!("reading the answer of {url}: {e}")))?;
-    if body.len() as u64 > max {
-        return Err(AskError::TooLarge { path, max });
+    let answer = client.call(url, call)?;
+    if answer.status != 200 {
+        let code = answer.status;
+        return Err(AskError::Status { path, code });
     }
-    let body = serde_json::from_slice(&body).map_err(|e| AskError::BadAnswer {
+    let body = serde_json::from_slice(&answer.body).map_err(|e| AskError::BadAnswer {
         path,
         why: format!("not JSON: {e}"),
     })?;
-    Ok(Answer { body, next_token })
+    Ok(Answer {
+        body,
+        next_token: answer.next_token,
+    })
 }
 
 /// `f` of every item, each on a thread of its own, all at once; the results in the

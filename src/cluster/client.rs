@@ -5,6 +5,7 @@
 //! the API key and `X-Aenv-Forwarded-By`, so the peer serves it itself and never sends it
 //! on.
 
+use super::ask::AskError;
 use super::peer::PeerUrl;
 use super::peers::PeerTable;
 use super::FORWARDED_BY;
@@ -41,6 +42,8 @@ pub struct Call<'a> {
 pub struct Answer {
     pub status: u16,
     pub body: Vec<u8>,
+    /// Its `X-Next-Token` header (a paged list: the peer has more after this page).
+    pub next_token: Option<String>,
 }
 
 /// How long a connect to a peer may take.
@@ -53,8 +56,8 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    /// `call` at `url`: the answer, or why there is none (in words about the peer).
-    pub fn call(&self, url: &PeerUrl, call: Call<'_>) -> Result<Answer, String> {
+    /// `call` at `url`: the answer, or why there is none.
+    pub fn call(&self, url: &PeerUrl, call: Call<'_>) -> Result<Answer, AskError> {
         // No redirects: the API key goes to the peer asked, nowhere else.
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(CONNECT_TIMEOUT.min(call.timeout))
@@ -74,8 +77,9 @@ impl PeerClient {
                 .set("Content-Type", "application/json")
                 .send_bytes(bytes),
             Body::File(path) => {
-                let file = std::fs::File::open(path)
-                    .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+                let file = std::fs::File::open(path).map_err(|e| {
+                    AskError::Transport(format!("cannot open {}: {e}", path.display()))
+                })?;
                 let len = file.metadata().map(|m| m.len()).unwrap_or(0);
                 req.set("Content-Length", &len.to_string())
                     .set("Content-Type", "application/octet-stream")
@@ -84,22 +88,29 @@ impl PeerClient {
         };
         let response = match sent {
             Ok(r) | Err(ureq::Error::Status(_, r)) => r,
-            Err(ureq::Error::Transport(t)) => return Err(format!("{url}: {t}")),
+            Err(ureq::Error::Transport(t)) => {
+                return Err(AskError::Transport(format!("{url}: {t}")))
+            }
         };
         let status = response.status();
+        let next_token = response.header("X-Next-Token").map(str::to_string);
         let mut body = Vec::new();
         response
             .into_reader()
             .take(call.max_answer + 1)
             .read_to_end(&mut body)
-            .map_err(|e| format!("{url}: reading the answer: {e}"))?;
+            .map_err(|e| AskError::Transport(format!("{url}: reading the answer: {e}")))?;
         if body.len() as u64 > call.max_answer {
-            return Err(format!(
-                "{url} answered {} {} with over {} bytes",
-                call.method, call.target, call.max_answer
-            ));
+            return Err(AskError::TooLarge {
+                path: call.target.split('?').next().unwrap_or("").to_string(),
+                max: call.max_answer,
+            });
         }
-        Ok(Answer { status, body })
+        Ok(Answer {
+            status,
+            body,
+            next_token,
+        })
     }
 
     /// `call` to every peer that answered its last card question, all at once: each
@@ -108,10 +119,10 @@ impl PeerClient {
         &self,
         peers: &PeerTable,
         call: Call<'_>,
-    ) -> Vec<(String, Result<Answer, String>)> {
+    ) -> Vec<(String, Result<Answer, AskError>)> {
         super::ask::at_once(peers.peers(), |(node, peer)| {
             let answer = match &peer.failure {
-                Some(why) => Err(format!("silent ({why})")),
+                Some(why) => Err(AskError::Silent(why.clone())),
                 None => self.call(&peer.url, call),
             };
             (node, answer)

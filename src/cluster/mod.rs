@@ -36,8 +36,8 @@ pub struct Cluster {
     pub forwarded: NodeCounts<ForwardResult>,
     /// Peers left out of a merged answer, by why.
     pub partial: NodeCounts<PartialReason>,
-    /// Calls to peers for merged answers, each within `[cluster] peer_timeout_ms`.
-    pub(crate) agent: ureq::Agent,
+    /// How long a question to a peer may take (`[cluster] peer_timeout_ms`).
+    pub peer_timeout: Duration,
     /// Asks the peers (cards, placed creates, templates on every node).
     pub client: PeerClient,
 }
@@ -66,7 +66,7 @@ impl Cluster {
             peers: Arc::new(PeerTable::new(node)),
             forwarded: NodeCounts::default(),
             partial: NodeCounts::default(),
-            agent: ask::agent(Duration::from_millis(cfg.peer_timeout_ms)),
+            peer_timeout: Duration::from_millis(cfg.peer_timeout_ms),
             client: PeerClient {
                 this: node.to_string(),
                 api_key: api_key.to_string(),
@@ -74,7 +74,10 @@ impl Cluster {
         });
         let discovery = Discovery {
             source,
-            api_key: api_key.to_string(),
+            client: PeerClient {
+                this: node.to_string(),
+                api_key: api_key.to_string(),
+            },
             timeout: Duration::from_millis(cfg.peer_timeout_ms),
         };
         discovery.spawn(&cluster.peers, Duration::from_secs(cfg.refresh_secs))?;
@@ -88,36 +91,29 @@ impl Cluster {
     pub fn ask_nodes(
         &self,
         asks: Vec<(String, String)>,
-        api_key: &str,
         max: u64,
     ) -> Vec<(String, Result<Answer, AskError>)> {
-        let headers = [("X-API-Key", api_key), (FORWARDED_BY, self.node.as_str())];
         ask::at_once(asks, |(node, target)| {
             let answer = match self.peers.get(&node) {
                 None => Err(AskError::Unknown),
                 Some(Peer {
                     failure: Some(why), ..
                 }) => Err(AskError::Silent(why)),
-                Some(peer) => ask::get(&self.agent, &peer.url, &target, &headers, max),
+                Some(peer) => ask::get(&self.client, &peer.url, &target, self.peer_timeout, max),
             };
             (node, answer)
         })
     }
 
     /// [`Cluster::ask_nodes`] of `target` on every peer in the table.
-    pub fn ask_peers(
-        &self,
-        target: &str,
-        api_key: &str,
-        max: u64,
-    ) -> Vec<(String, Result<Answer, AskError>)> {
+    pub fn ask_peers(&self, target: &str, max: u64) -> Vec<(String, Result<Answer, AskError>)> {
         let asks = self
             .peers
             .peers()
             .into_iter()
             .map(|(node, _)| (node, target.to_string()))
             .collect();
-        self.ask_nodes(asks, api_key, max)
+        self.ask_nodes(asks, max)
     }
 
     /// `agentenv_cluster_forwarded_total{node,result}`,

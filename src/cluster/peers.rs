@@ -8,7 +8,8 @@
 //! sandbox's node follows from its id (`cluster::id`); this table only says where that
 //! node is now (a restarted pod may come back at another address).
 
-use super::ask::{agent, at_once, get};
+use super::ask::{at_once, get};
+use super::client::PeerClient;
 use super::peer::{resolve_dns, PeerUrl};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
@@ -186,7 +187,7 @@ pub enum PeerSource {
 /// Asks the peers each round.
 pub struct Discovery {
     pub source: PeerSource,
-    pub api_key: String,
+    pub client: PeerClient,
     pub timeout: Duration,
 }
 
@@ -204,10 +205,8 @@ impl Discovery {
                 }
             },
         };
-        let agent = agent(self.timeout);
-        let key = self.api_key.as_str();
         let round = at_once(urls, |url| {
-            let answer = ask(&agent, &url, key);
+            let answer = ask(&self.client, &url, self.timeout);
             (url, answer)
         });
         table.apply(round, Instant::now());
@@ -231,10 +230,9 @@ impl Discovery {
 }
 
 /// `GET <url>/cluster/node` with the API key: the node's card, or why not.
-fn ask(agent: &ureq::Agent, url: &PeerUrl, api_key: &str) -> Result<NodeCard, String> {
-    let headers = [("X-API-Key", api_key)];
+fn ask(client: &PeerClient, url: &PeerUrl, timeout: Duration) -> Result<NodeCard, String> {
     let answer =
-        get(agent, url, "/cluster/node", &headers, MAX_CARD_BYTES).map_err(|e| e.to_string())?;
+        get(client, url, "/cluster/node", timeout, MAX_CARD_BYTES).map_err(|e| e.to_string())?;
     let card: NodeCard = serde_json::from_value(answer.body)
         .map_err(|e| format!("GET /cluster/node answered no node card: {e}"))?;
     if !super::id::is_node_name(&card.node) {
