@@ -382,7 +382,7 @@ fn unknown_tags_and_repositories_are_client_errors_naming_the_reference() {
         msg.contains(&reference) && msg.contains("MANIFEST_UNKNOWN"),
         "{msg}"
     );
-    assert!(matches!(OrchError::from(err), OrchError::BadRequest(_)));
+    assert_eq!(OrchError::from(err).status(), 400, "a client error");
 
     let reference = format!("{}/team/missing:v1", reg.addr);
     let err = store.prepare_rootfs(&reference, 64).unwrap_err();
@@ -403,7 +403,7 @@ fn unreachable_or_hanging_registries_are_upstream_errors() {
     assert!(matches!(err, ImageError::Upstream(_)), "{err}");
     assert!(err.to_string().contains(&reference), "{err}");
     assert!(!err.is_client_error());
-    assert!(matches!(OrchError::from(err), OrchError::Upstream(_)));
+    assert_eq!(OrchError::from(err).status(), 502, "an upstream error");
 
     // A registry that accepts connections and never answers hits the read timeout.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
