@@ -62,24 +62,20 @@ pub fn new_secret() -> String {
     hex(&bytes)
 }
 
-/// HMAC-SHA256 of `message` under `key` (RFC 2104).
+/// HMAC-SHA256 of `message` under `key` (RFC 2104, the `hmac` crate).
 pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    use sha2::Digest;
-    const BLOCK: usize = 64;
-    let mut block = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        block[..32].copy_from_slice(&sha2::Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|b| b ^ byte);
-    let mut inner = sha2::Sha256::new();
-    inner.update(pad(0x36));
-    inner.update(message);
-    let mut outer = sha2::Sha256::new();
-    outer.update(pad(0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
+    use hmac::{KeyInit, Mac};
+    let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key)
+        .expect("HMAC takes a key of any length");
+    mac.update(message);
+    mac.finalize().into_bytes().into()
+}
+
+/// Seconds since the Unix epoch now (0 on a clock before it).
+pub fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Lowercase hex of `bytes`.

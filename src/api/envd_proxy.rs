@@ -34,7 +34,7 @@
 //! clone) is preceded by `POST /init` with the sandbox's environment (image env and the
 //! create's `envVars`), so that every process envd starts sees it.
 
-use super::signed_url::{signer, unix_now, Refusal, SignedUrl};
+use super::signed_url::{signer, Refusal, SignedUrl};
 use super::ApiError;
 use crate::cluster::id::is_sandbox_id;
 use crate::envd::{self, EnvdError, Framing, Outgoing, Patience};
@@ -242,7 +242,7 @@ impl EnvdProxy {
         }
         match (envd_port, signed, access) {
             (true, Some(signed), Some(access)) => signed
-                .check(&access.envd_token, unix_now())
+                .check(&access.envd_token, crate::util::unix_secs())
                 .map_err(refused),
             _ => Err(unauthorized(envd_port)),
         }

@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value};
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// How far back the history goes.
 const SPAN: Duration = Duration::from_secs(3600);
@@ -71,7 +71,7 @@ impl MetricsHistory {
                 let Some(o) = orchestrator.upgrade() else {
                     return;
                 };
-                history.record(now_unix(), &o.observe().render_metrics());
+                history.record(crate::util::unix_secs(), &o.observe().render_metrics());
                 drop(o);
                 match rx.recv_timeout(history.interval) {
                     Err(RecvTimeoutError::Timeout) => {}
@@ -135,12 +135,6 @@ impl MetricsHistory {
             "samples": samples,
         })
     }
-}
-
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 /// The `series value` lines of Prometheus text, without comments and histogram buckets.

@@ -97,7 +97,7 @@ impl SignedUrl {
 /// The sandbox of this node whose envd token signed `signed` (expired or not: the
 /// envd proxy refuses an expired one), if any.
 pub fn signer(orchestrator: &Orchestrator, signed: &SignedUrl) -> Option<String> {
-    let now = unix_now();
+    let now = crate::util::unix_secs();
     orchestrator
         .list()
         .into_iter()
@@ -130,12 +130,6 @@ pub fn signer_route(orchestrator: &Orchestrator, query: &str) -> Result<Value, A
 pub fn signer_question(request: &Request, signed: &SignedUrl) -> String {
     let query = request.url().split_once('?').map_or("", |(_, q)| q);
     format!("/cluster/signer?operation={}&{query}", signed.operation)
-}
-
-pub(super) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 /// E2B's v1 signature of a file URL.

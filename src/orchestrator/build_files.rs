@@ -83,12 +83,6 @@ pub(crate) fn link_key(api_key: Option<&str>) -> [u8; 32] {
     }
 }
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 impl Uploads {
     pub fn new(dir: PathBuf, max_bytes: u64, link_key: [u8; 32]) -> Uploads {
         // Leftovers of uploads a crash interrupted.
@@ -117,7 +111,7 @@ impl Uploads {
     /// A token for an upload link of `hash` (the SDKs upload without the API key, as to
     /// a presigned URL): `<until>.<HMAC of hash and until>`, good for [`LINK_LIFETIME`].
     pub fn grant(&self, hash: &str) -> String {
-        let until = unix_now() + LINK_LIFETIME.as_secs();
+        let until = crate::util::unix_secs() + LINK_LIFETIME.as_secs();
         format!("{until}.{}", self.mac(hash, until))
     }
 
@@ -129,7 +123,7 @@ impl Uploads {
         let Ok(until) = until.parse::<u64>() else {
             return false;
         };
-        until > unix_now()
+        until > crate::util::unix_secs()
             && crate::util::constant_time_eq(self.mac(hash, until).as_bytes(), mac.as_bytes())
     }
 
