@@ -182,6 +182,13 @@ if ! command -v haproxy >/dev/null; then
   fi
 fi
 
+step "standby tests: Debian's tcpdump"
+# tests/e2e_standby.rs captures on a warming standby's tap and slot veth: nothing leaves.
+if ! command -v tcpdump >/dev/null; then
+  apt-get update -qq || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends tcpdump || die "cannot install tcpdump"
+fi
+
 step "done: assets in $ASSETS"
 ls -la "$ASSETS"
 cat <<MSG

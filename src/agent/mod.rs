@@ -586,10 +586,20 @@ impl AgentClient {
     pub fn set_time(&self, unix_nanos: u128) -> Result<(), AgentError> {
         let unix_nanos = u64::try_from(unix_nanos)
             .map_err(|_| AgentError::Protocol("time out of range".into()))?;
-        let call = Call::open(&self.shared, &Request::SetTime { unix_nanos })?;
-        match call.response(SHORT_CALL, "set_time")? {
+        self.call_done(&Request::SetTime { unix_nanos }, SHORT_CALL, "set_time")
+    }
+
+    /// One call the guest answers `Done`, waiting up to `timeout`.
+    fn call_done(
+        &self,
+        request: &Request,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<(), AgentError> {
+        let call = Call::open(&self.shared, request)?;
+        match call.response(timeout, what)? {
             Response::Done => Ok(()),
-            other => Err(unexpected("set_time", &other)),
+            other => Err(unexpected(what, &other)),
         }
     }
 }
@@ -615,20 +625,22 @@ impl AgentClient {
             path: path.to_string(),
             options: options.to_string(),
         };
-        let call = Call::open(&self.shared, &request)?;
-        match call.response(timeout, "mount_nfs")? {
-            Response::Done => Ok(()),
-            other => Err(unexpected("mount_nfs", &other)),
-        }
+        self.call_done(&request, timeout, "mount_nfs")
     }
 
     /// Has the guest write its filesystems' dirty data to disk, waiting up to `timeout`.
     pub fn sync(&self, timeout: Duration) -> Result<(), AgentError> {
-        let call = Call::open(&self.shared, &Request::Sync)?;
-        match call.response(timeout, "sync")? {
-            Response::Done => Ok(()),
-            other => Err(unexpected("sync", &other)),
-        }
+        self.call_done(&Request::Sync, timeout, "sync")
+    }
+
+    /// Has the guest run the envd half of a warm-up on its envd `port`, removing `path`
+    /// and `<path>-envd` at the end ([`Request::Warmup`]), waiting up to `timeout`.
+    pub fn warmup(&self, port: u16, path: &str, timeout: Duration) -> Result<(), AgentError> {
+        let request = Request::Warmup {
+            port,
+            path: path.to_string(),
+        };
+        self.call_done(&request, timeout, "warmup")
     }
 }
 

@@ -307,6 +307,14 @@ pub enum Request {
         path: String,
         len: u64,
     },
+    /// A warm standby's warm-up (docs/architecture.md, "Standby pool"): the guest calls
+    /// its own envd on `port` over loopback as an SDK's first command and file write
+    /// would (its file is `<path>-envd`), then removes that file and `path`. Answered
+    /// `Done`.
+    Warmup {
+        port: u16,
+        path: String,
+    },
 }
 
 /// Guest-side failure classes, mapped to [`super::AgentError`] on the host.

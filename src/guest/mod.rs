@@ -11,6 +11,7 @@ pub mod exec;
 pub mod files;
 pub mod provision;
 pub mod reaper;
+pub mod warmup;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -266,6 +267,13 @@ impl AgentServer {
                         let oversized = vec![0; crate::agent::protocol::MAX_CHUNK + 1];
                         sink.send(&Frame::new(FrameKind::Data, id, oversized));
                     }
+                });
+            }
+            Request::Warmup { port, path } => {
+                let sink = self.sink.clone();
+                self.spawn(id, "warmup", move || match warmup::run(port, &path) {
+                    Ok(()) => sink.response(id, &Response::Done),
+                    Err(e) => sink.error(id, &e),
                 });
             }
             Request::ReadFile { path } => {

@@ -71,6 +71,8 @@ pub enum OrchError {
     Image(Arc<crate::image::ImageError>),
     /// A volume operation (its own status: 400, 404, 409, 503, 507 or 500).
     Volume(Arc<crate::volume::VolumeError>),
+    /// A standby's warm-up failed (500; only the standby worker sees it).
+    WarmUp(Arc<super::warmup::WarmUpError>),
     /// A state change the state machine does not allow (409).
     InvalidTransition {
         from: super::SandboxState,
@@ -115,6 +117,7 @@ impl OrchError {
             | OrchError::RemovedAfter { .. }
             | OrchError::VmGone { .. }
             | OrchError::Lacks { .. }
+            | OrchError::WarmUp(_)
             | OrchError::Store(_) => 500,
             OrchError::Image(e) if e.is_upstream() => 502,
             OrchError::Image(e) if e.is_client_error() => 400,
@@ -213,6 +216,7 @@ impl fmt::Display for OrchError {
             ),
             OrchError::Image(e) => write!(f, "{e}"),
             OrchError::Volume(e) => write!(f, "{e}"),
+            OrchError::WarmUp(e) => write!(f, "{e}"),
             OrchError::Store(e) => write!(f, "{e}"),
             OrchError::Hook(e) => write!(f, "{e}"),
             OrchError::Upload(e) => write!(f, "{e}"),
@@ -257,6 +261,12 @@ impl From<HookError> for OrchError {
 impl From<crate::image::ImageError> for OrchError {
     fn from(e: crate::image::ImageError) -> OrchError {
         OrchError::Image(Arc::new(e))
+    }
+}
+
+impl From<super::warmup::WarmUpError> for OrchError {
+    fn from(e: super::warmup::WarmUpError) -> OrchError {
+        OrchError::WarmUp(Arc::new(e))
     }
 }
 

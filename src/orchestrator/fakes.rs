@@ -78,6 +78,7 @@ pub(crate) mod sides {
     use crate::hooks::{Cause, Hook, HookError, Instance, StartContext, StopReason};
     use crate::net::{FakeHost, NetError, Slot, SlotManager, SlotStats};
     use crate::orchestrator::sides::{Extension, Machine, Machines, Network};
+    use crate::orchestrator::warmup::{WarmUp, WarmUpError};
     use crate::vm::{CaptureRecord, CaptureStats, DiskCapture, MemoryFile, VmError, VmSpec};
     use parking_lot::Mutex;
     use serde_json::Value;
@@ -369,6 +370,32 @@ pub(crate) mod sides {
             if self.script.fail_load {
                 return Err(VmError::InvalidSpec("the fake state does not load".into()));
             }
+            Ok(())
+        }
+        fn warm_up(
+            &mut self,
+            record: &CaptureRecord,
+            _: WarmUp,
+            _: &str,
+        ) -> Result<AgentClient, WarmUpError> {
+            self.load_state(record).map_err(|source| WarmUpError::Vm {
+                step: "loading the template's state",
+                source,
+            })?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            self.connect_agent(deadline)
+                .map_err(|source| WarmUpError::Agent {
+                    step: "connecting to the guest agent",
+                    source,
+                })
+        }
+        fn stop_vcpus(&mut self) -> Result<(), VmError> {
+            Ok(())
+        }
+        fn set_carrier(&mut self, _: bool) -> Result<(), VmError> {
+            Ok(())
+        }
+        fn set_nice(&mut self, _: i32) -> Result<(), VmError> {
             Ok(())
         }
         fn disk_chain_depth(&mut self) -> Result<usize, VmError> {

@@ -42,6 +42,7 @@ mod templates;
 mod views;
 mod volumes;
 mod wake;
+pub mod warmup;
 
 pub use admission::Capacity;
 pub use build_files::UploadError;

@@ -5,6 +5,7 @@
 //! [`QemuMachines`]); unit tests hand in fakes, so every failure path of the lifecycle runs
 //! in `cargo test --lib` without root (youki's fakeable `Syscall` is the model).
 
+use super::warmup::{WarmUp, WarmUpError};
 use crate::agent::{AgentClient, AgentError};
 use crate::hooks::{HookClient, HookError, Instance, StartContext, StopReason};
 use crate::net::{NetError, Slot, SlotManager, SlotStats};
@@ -137,6 +138,20 @@ pub(crate) trait Machine: Send {
     fn paused_on_io_error(&mut self) -> Result<bool, VmError>;
     /// On a [`Machines::standby`] VM: loads `record`'s state; the vCPUs stay stopped.
     fn load_state(&mut self, record: &CaptureRecord) -> Result<(), VmError>;
+    /// On a [`Machines::standby`] VM: loads `record`'s state and warms the guest up with
+    /// its carrier down ([`super::warmup`]); the vCPUs are stopped after, the agent
+    /// connection is kept for the claim.
+    fn warm_up(
+        &mut self,
+        record: &CaptureRecord,
+        w: WarmUp,
+        scratch: &str,
+    ) -> Result<AgentClient, WarmUpError>;
+    fn stop_vcpus(&mut self) -> Result<(), VmError>;
+    /// Puts the NIC's carrier up or down.
+    fn set_carrier(&mut self, up: bool) -> Result<(), VmError>;
+    /// The nice value of every thread of the VM process.
+    fn set_nice(&mut self, nice: i32) -> Result<(), VmError>;
     /// The guest of a cold boot has booted: drop what only its boot needed.
     fn boot_finished(&mut self) -> Result<(), VmError> {
         Ok(())
@@ -219,6 +234,23 @@ impl Machine for Vm {
         let load_ms = Vm::load_incoming(self, record)?;
         log::info!("vm op=load_state pid={} loadMs={load_ms}", self.pid());
         Ok(())
+    }
+    fn warm_up(
+        &mut self,
+        record: &CaptureRecord,
+        w: WarmUp,
+        scratch: &str,
+    ) -> Result<AgentClient, WarmUpError> {
+        super::warmup::warm(self, record, w, scratch)
+    }
+    fn stop_vcpus(&mut self) -> Result<(), VmError> {
+        Vm::stop_vcpus(self)
+    }
+    fn set_carrier(&mut self, up: bool) -> Result<(), VmError> {
+        Vm::set_carrier(self, up)
+    }
+    fn set_nice(&mut self, nice: i32) -> Result<(), VmError> {
+        Vm::set_nice(self, nice)
     }
     fn boot_finished(&mut self) -> Result<(), VmError> {
         Vm::boot_finished(self)

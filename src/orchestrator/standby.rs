@@ -39,6 +39,7 @@ use super::sides::{Machine, Network};
 use super::start::Launcher;
 use super::supervisor::RunDir;
 use super::OrchError;
+use crate::agent::AgentClient;
 use crate::net::Slot;
 use crate::vm::{CaptureRecord, RestoreSpec, VmError, VmExit};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -68,10 +69,17 @@ fn clone_disk(record: &CaptureRecord, dir: &Path) -> Result<PathBuf, VmError> {
     crate::vm::create_clone_disk(&record.disk_layers, dir)
 }
 
-/// What a claimed standby brings into the start sequence: the VM waiting for its state,
-/// the slot it runs in, and the admission share it held.
-pub(crate) struct Prepared {
+/// A warmed-up VM whose vCPUs are stopped and whose carrier is down, and the open
+/// connection to its guest agent.
+pub(crate) struct WarmVm {
     pub vm: Box<dyn Machine>,
+    pub agent: AgentClient,
+}
+
+/// What a claimed standby brings into the start sequence: the warm VM, the slot it runs
+/// in, and the admission share it held.
+pub(crate) struct Prepared {
+    pub warm: WarmVm,
     pub slot: Slot,
     pub reservation: Reservation,
 }
@@ -99,7 +107,7 @@ impl Standby {
             prepared,
             ..
         } = self.claimed;
-        prepared.vm.kill();
+        prepared.warm.vm.kill();
         net.release(prepared.slot);
         drop(run_dir);
         log::info!(
@@ -241,7 +249,7 @@ impl StandbyPool {
                 self.notify(Event::Refill);
                 return None;
             };
-            if let Some(status) = standby.claimed.prepared.vm.exited() {
+            if let Some(status) = standby.claimed.prepared.warm.vm.exited() {
                 self.deaths.record("standby", &status);
                 standby.discard(net, &format!("\"exited: {status}\""));
                 continue;
@@ -358,7 +366,7 @@ impl StandbyPool {
         let mut dead = Vec::new();
         let mut i = 0;
         while i < state.ready.len() {
-            match state.ready[i].claimed.prepared.vm.exited() {
+            match state.ready[i].claimed.prepared.warm.vm.exited() {
                 Some(status) => dead.push((state.ready.swap_remove(i), status)),
                 None => i += 1,
             }
@@ -482,13 +490,27 @@ fn make(
             e,
         )),
     };
-    match vm {
-        Ok(vm) => Ok(Claimed {
+    let scratch = super::warmup::scratch_path(&id);
+    let warm = vm.and_then(
+        |mut vm| match vm.warm_up(record, launcher.warm_up, &scratch) {
+            Ok(agent) => Ok(WarmVm { vm, agent }),
+            Err(e) => {
+                log::warn!(
+                    "sandboxId={id} op=standby result=error console_tail=\n{}",
+                    vm.console_tail(10)
+                );
+                vm.kill();
+                Err(e.into())
+            }
+        },
+    );
+    match warm {
+        Ok(warm) => Ok(Claimed {
             id,
             run_dir,
             disk,
             prepared: Prepared {
-                vm,
+                warm,
                 slot,
                 reservation,
             },

@@ -159,27 +159,24 @@ fn a_failed_start_resume_on_a_standby_rolls_it_all_back() {
 }
 
 #[test]
-fn a_standby_whose_state_does_not_load_is_rolled_back() {
+fn a_standby_whose_warm_up_fails_is_rolled_back_and_never_handed_out() {
     let rig = pooled(roomy());
     rig.script(Script {
         fail_load: true,
         ..Script::default()
     });
     rig.want();
-    rig.wait_ready(1);
-    let (id, created) = rig.create_from_standby();
-    let e = created.unwrap_err();
-    assert!(e.to_string().contains("does not load"), "{e}");
-    assert_eq!(
-        rig.hooks.calls(),
-        [
-            format!("start-resume {id}"),
-            format!("stop {id} start-failed")
-        ]
-    );
-    assert!(!rig.registry.dir(&id).exists());
+    // The worker made one and undid it: no VM, slot, share or run dir stays.
+    eventually("a standby attempted", || {
+        rig.vms.standbys.load(Ordering::SeqCst) >= 1
+    });
+    eventually("the failed standby undone", || {
+        rig.vms.alive.load(Ordering::SeqCst) == 0 && rig.sandbox_dirs() == 0
+    });
+    assert_eq!(rig.launcher.standby.ready(), 0);
+    assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
+    assert!(rig.hooks.calls().is_empty(), "the extension heard nothing");
     rig.launcher.standby.forget(TEMPLATE, &*rig.net);
-    assert_eq!(rig.sandbox_dirs(), 0);
     rig.assert_nothing_held();
 }
 

@@ -21,8 +21,8 @@
 use super::admission::{Admission, Reservation};
 use super::sandbox::RuntimeHandle;
 use super::settings::Resources;
-use super::sides::{Extension, Machine, Machines, Network};
-use super::standby::{Prepared, StandbyPool};
+use super::sides::{Extension, Machines, Network};
+use super::standby::{Prepared, StandbyPool, WarmVm};
 use super::state_disk::StateDisk;
 use super::supervisor::{
     self, HookOutcome, Launch, Placed, RunDir, StartPlan, ThreadSpawner, Watch,
@@ -55,6 +55,8 @@ pub(crate) struct Launcher {
     pub standby: StandbyPool,
     /// VM processes that ended on their own (`agentenv_vm_deaths_total`).
     pub deaths: Arc<super::metrics::VmDeaths>,
+    /// What a standby's warm-up needs (its guest's envd port, the agent's patience).
+    pub warm_up: super::warmup::WarmUp,
     /// `<state_dir>/volumes`, where the volumes a guest mounts are.
     pub volumes_dir: PathBuf,
     /// The state dir's filesystem: what a guest paused on it being full waits for.
@@ -101,6 +103,10 @@ impl Launcher {
             spawn: supervisor::spawn_thread,
             standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
             deaths,
+            warm_up: super::warmup::WarmUp {
+                envd_port: config.agent.port,
+                ready_timeout: std::time::Duration::from_secs(config.vm.ready_timeout_secs),
+            },
             volumes_dir: crate::store::layout::StateLayout::new(&config.server.state_dir).volumes(),
             disk: Arc::new(StateDisk::new(
                 config.server.state_dir.clone(),
@@ -217,8 +223,8 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
     };
     let (reservation, mut slot, prepared) = take_resources(launcher, standby, resources)?;
     if let Err(e) = apply_egress(launcher, &mut slot, internet_access, &egress) {
-        if let Some(vm) = prepared {
-            vm.kill();
+        if let Some(warm) = prepared {
+            warm.vm.kill();
         }
         launcher.net.release(slot);
         return Err(OrchError::net("applying the slot's outbound rules", e));
@@ -266,8 +272,8 @@ impl Placed {
     }
 }
 
-/// A start's share of the host, its slot, and a claimed standby's prepared VM.
-type Held = (Reservation, Slot, Option<Box<dyn Machine>>);
+/// A start's share of the host, its slot, and a claimed standby's warm VM.
+type Held = (Reservation, Slot, Option<WarmVm>);
 
 /// A claimed standby's share, slot and prepared VM, or a new reservation and slot.
 fn take_resources(
@@ -280,17 +286,17 @@ fn take_resources(
         return Ok((reservation, launcher.net.acquire()?, None));
     };
     let Prepared {
-        vm,
+        warm,
         slot,
         reservation,
     } = *p;
-    // The standby's guest has loaded nothing yet: the host must have room now.
+    // The sandbox will grow past what its standby touched: the host must have room now.
     if let Err(e) = launcher.admission.admit_claim(&reservation) {
-        vm.kill();
+        warm.vm.kill();
         launcher.net.release(slot);
         return Err(e);
     }
-    Ok((reservation, slot, Some(vm)))
+    Ok((reservation, slot, Some(warm)))
 }
 
 /// A fresh boot: start-fresh, then the supervisor boots the VM with the hook's kernel
@@ -337,7 +343,7 @@ fn start_fresh(
 }
 
 /// What a restore brings: the capture, the writable top layer, a claimed standby's VM.
-type RestoreParts = (Box<CaptureRecord>, PathBuf, Option<Box<dyn Machine>>);
+type RestoreParts = (Box<CaptureRecord>, PathBuf, Option<WarmVm>);
 
 /// A restore: the VM is prepared while start-resume runs; the supervisor takes the
 /// hook's outcome and undoes everything itself when it failed.

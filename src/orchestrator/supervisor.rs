@@ -104,9 +104,9 @@ pub(crate) enum Launch {
         disk: PathBuf,
         hook: Receiver<HookOutcome>,
         failed_reason: StopReason,
-        /// A standby QEMU already started on `disk` in the slot (see [`super::standby`]):
-        /// only the state is loaded into it.
-        prepared: Option<Box<dyn Machine>>,
+        /// A claimed standby's warm VM on `disk` in the slot (see [`super::standby`]):
+        /// its state is loaded already, its vCPUs are stopped and its carrier is down.
+        prepared: Option<super::standby::WarmVm>,
     },
 }
 
@@ -503,7 +503,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
     if let Err(e) = hooked {
         // Rollback before the answer (custom-extension.md §7.3): the VM never ran; stop
         // for the attempt, then the slot; the reservation goes on return.
-        if let Ok(vm) = spawned {
+        if let Ok((vm, _)) = spawned {
             vm.kill();
         }
         drop(nfs);
@@ -511,8 +511,8 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         launcher.net.release(slot);
         return Err(e.into());
     }
-    let mut vm = match spawned {
-        Ok(vm) => vm,
+    let (mut vm, warm_agent) = match spawned {
+        Ok(spawned) => spawned,
         Err(e) => {
             drop(nfs);
             return Err(fail(slot, instance, OrchError::vm("starting QEMU", e)));
@@ -538,7 +538,12 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         io_paused: false,
     };
     let times = (launched, prepared, Instant::now());
-    wait_ready(launcher, &id, runtime, (restored, booted), times)
+    let how = Readiness {
+        restored,
+        booted,
+        warm_agent,
+    };
+    wait_ready(launcher, &id, runtime, how, times)
 }
 
 /// The guest's volumes are served before it runs, so a restored guest's NFS mounts
@@ -597,15 +602,15 @@ impl HookWait {
     }
 }
 
-/// Boots the VM, restores it into a new QEMU, or loads the state into a claimed
-/// standby's QEMU.
+/// Boots the VM or restores it into a new QEMU; a claimed standby's warm VM comes with
+/// its agent connection.
 fn spawn_vm(
     launcher: &Launcher,
     launch: Launch,
     run_dir: &Path,
     netns: std::fs::File,
     resources: super::settings::Resources,
-) -> Result<Box<dyn Machine>, vm::VmError> {
+) -> Result<(Box<dyn Machine>, Option<AgentClient>), vm::VmError> {
     match launch {
         Launch::Cold {
             kernel_args,
@@ -628,10 +633,9 @@ fn spawn_vm(
             launcher.machines.boot(spec, memory)
         }
         Launch::Restore {
-            prepared: Some(mut vm),
-            record,
+            prepared: Some(warm),
             ..
-        } => vm.load_state(&record).map(|()| vm),
+        } => return Ok((warm.vm, Some(warm.agent))),
         Launch::Restore { record, disk, .. } => {
             let spec = RestoreSpec {
                 disk,
@@ -640,32 +644,50 @@ fn spawn_vm(
             launcher.machines.restore(&record, spec)
         }
     }
+    .map(|vm| (vm, None))
 }
 
-/// Waits until the guest agent answers (and sets a restored guest's clock); on failure
-/// tears the runtime down and says whether the VM exited or stayed silent.
+/// How a started VM becomes ready.
+struct Readiness {
+    restored: bool,
+    /// Its kernel booted (a cold start, or a filesystem-only capture).
+    booted: bool,
+    /// A warm standby's agent connection: its carrier goes up once the clock is set.
+    warm_agent: Option<AgentClient>,
+}
+
+/// Waits until the guest agent answers (and sets a restored guest's clock; a warm
+/// standby's carrier goes up after that); on failure tears the runtime down and says
+/// whether the VM exited or stayed silent.
 fn wait_ready(
     launcher: &Launcher,
     id: &str,
     mut runtime: Runtime,
-    (restored, booted): (bool, bool),
+    how: Readiness,
     (launched, prepared, running): (Instant, Instant, Instant),
 ) -> Result<(Runtime, Arc<AgentClient>), OrchError> {
+    let Readiness {
+        restored,
+        booted,
+        warm_agent,
+    } = how;
+    let warm = warm_agent.is_some();
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let mut clock = Duration::ZERO;
-    let ready = runtime
-        .vm
-        .connect_agent(Instant::now() + timeout)
-        .and_then(|agent| {
-            agent.set_label(id);
-            // A restored guest's clock stopped while it was saved (issue: guest clock).
-            if restored && !booted {
-                let t = Instant::now();
-                vm::sync_guest_clock(&agent)?;
-                clock = t.elapsed();
-            }
-            Ok(agent)
-        });
+    let ready = match warm_agent {
+        Some(agent) => Ok(agent),
+        None => runtime.vm.connect_agent(Instant::now() + timeout),
+    };
+    let ready = ready.and_then(|agent| {
+        agent.set_label(id);
+        // A restored guest's clock stopped while it was saved (issue: guest clock).
+        if restored && !booted {
+            let t = Instant::now();
+            vm::sync_guest_clock(&agent)?;
+            clock = t.elapsed();
+        }
+        Ok(agent)
+    });
     let agent = match ready {
         Ok(agent) => agent,
         Err(e) => {
@@ -684,6 +706,14 @@ fn wait_ready(
             return Err(OrchError::GuestNotReady(why));
         }
     };
+    // No guest traffic before start-resume succeeded and the clock is right.
+    if warm {
+        if let Err(e) = runtime.vm.set_carrier(true) {
+            log::error!("sandboxId={id} op=launch step=carrier_up error=\"{e}\"");
+            runtime.teardown(launcher, StopReason::StartFailed);
+            return Err(OrchError::vm("putting the guest NIC's carrier up", e));
+        }
+    }
     if booted {
         // Only costs idle CPU when it fails: the start goes on.
         if let Err(e) = runtime.vm.boot_finished() {

@@ -205,10 +205,46 @@ pub fn kill_pid(pid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the nice value of every thread of `pid` (a child of this server): Linux keeps a
+/// nice value per thread, so `setpriority` on the pid alone would leave QEMU's vCPU
+/// threads as they were. Threads that end meanwhile are skipped.
+pub fn set_process_nice(pid: u32, nice: i32) -> io::Result<()> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))?;
+    for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<libc::id_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: setpriority has no memory effects; `tid` names a thread of our child.
+        let ret = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+        if ret < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::process::Stdio;
+
+    #[test]
+    fn every_thread_of_a_child_gets_the_nice_value() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        set_process_nice(child.id(), 7).unwrap();
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        // Field 19 is the nice value; the comm field (2) holds no space here.
+        let nice: i32 = stat.split(' ').nth(18).unwrap().parse().unwrap();
+        assert_eq!(nice, 7);
+        kill_and_reap(&mut child).unwrap();
+    }
 
     #[test]
     fn kill_and_reap_leaves_no_process() {

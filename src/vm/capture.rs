@@ -519,6 +519,27 @@ impl Vm {
         self.qmp().cont()
     }
 
+    /// Stops the guest's vCPUs (QEMU keeps running; its translated code stays cached).
+    pub fn stop_vcpus(&mut self) -> Result<(), VmError> {
+        self.qmp().stop()
+    }
+
+    /// Sets the nice value of every QEMU thread: a standby warms up below live VMs.
+    pub fn set_nice(&mut self, nice: i32) -> Result<(), VmError> {
+        crate::sys::process::set_process_nice(self.pid(), nice).map_err(|source| VmError::Io {
+            op: format!("setting the nice value of QEMU {}", self.pid()),
+            source,
+        })
+    }
+
+    /// Puts the NIC's carrier up or down (a VM without a NIC has nothing to change).
+    pub fn set_carrier(&mut self, up: bool) -> Result<(), VmError> {
+        if self.facts.tap.is_none() {
+            return Ok(());
+        }
+        self.qmp().set_link(super::qemu::NETDEV_ID, up)
+    }
+
     /// Asks QEMU to exit and waits for it (the disk is flushed and closed then).
     pub fn quit(&mut self) -> Result<(), VmError> {
         if self.try_wait().is_none() {

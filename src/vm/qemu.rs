@@ -44,6 +44,8 @@ use crate::sys::process::{configure_child, kill_and_reap, ChildSetup};
 
 /// The guest NIC's MAC address (every guest has the same one: each lives in its own netns).
 pub const GUEST_MAC: &str = "06:00:a9:fe:00:15";
+/// The id of the guest NIC's tap backend (QMP `set_link` names it).
+pub(crate) const NETDEV_ID: &str = "net0";
 /// The tap device's name inside a slot's network namespace.
 pub const GUEST_TAP: &str = "tap0";
 /// The virtio-serial port the in-guest agent opens (`/dev/virtio-ports/agentenv`).
@@ -516,9 +518,9 @@ fn push_device_args(
             argv,
             &[
                 "-netdev",
-                &format!("tap,id=net0,fd={fd}"),
+                &format!("tap,id={NETDEV_ID},fd={fd}"),
                 "-device",
-                &format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"),
+                &format!("virtio-net-device,netdev={NETDEV_ID},mac={GUEST_MAC}"),
             ],
         );
     }

@@ -197,6 +197,13 @@ impl Qmp {
         self.execute("stop", None).map(drop)
     }
 
+    /// Sets the carrier of the network device `name` (its backend and the guest's NIC):
+    /// down, no frame passes either way and the guest sees its link down.
+    pub fn set_link(&mut self, name: &str, up: bool) -> Result<(), VmError> {
+        let args = serde_json::json!({"name": name, "up": up});
+        self.execute("set_link", Some(args)).map(drop)
+    }
+
     /// Resumes the guest's vCPUs.
     pub fn cont(&mut self) -> Result<(), VmError> {
         self.execute("cont", None).map(drop)
