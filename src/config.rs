@@ -196,8 +196,13 @@ pub struct AdmissionConfig {
 pub struct TemplatesConfig {
     pub max_concurrent_builds: u32,
     pub start_cmd_timeout_secs: u64,
-    /// Pre-spawned QEMU processes kept ready per built template (0 = none).
+    /// Most warm standbys kept per built template (0 = none); a template's own
+    /// `standbys` setting overrides it.
     pub standby_per_template: u32,
+    /// Memory all standbys together may hold (MiB of their QEMUs' PSS).
+    pub standby_memory_mb: u64,
+    /// A template's standby target shrinks by one per this many seconds without a create.
+    pub standby_idle_secs: u64,
     /// A template build (steps, start and ready commands) must end within this.
     pub build_timeout_secs: u64,
     /// Largest files upload of a template build (`PUT` of a COPY step's tar).
@@ -851,6 +856,12 @@ impl TemplatesConfig {
             return invalid(
                 "templates.standby_per_template",
                 "must be at most 16".into(),
+            );
+        }
+        if !(1..=86_400).contains(&t.standby_idle_secs) {
+            return invalid(
+                "templates.standby_idle_secs",
+                "must be within 1..=86400".into(),
             );
         }
         if !(1..=86_400).contains(&t.build_timeout_secs) {

@@ -240,6 +240,9 @@ pub static ROUTES: &[Route] = &[
     r(Get, "/templates/{idOrName}", Quick, |ctx, _, t| {
         get_template(ctx, t.var)
     }),
+    r(Patch, "/templates/{idOrName}", Control, |ctx, req, t| {
+        patch_template(ctx, req, t.var)
+    }),
     r(Delete, "/templates/{idOrName}", Control, |ctx, req, t| {
         delete_template(ctx, req, t.var)
     }),
@@ -1113,10 +1116,30 @@ fn get_template(ctx: &Context, id_or_name: &str) -> Result<Reply, ApiError> {
         .catalog()
         .find_template(id_or_name)
         .ok_or_else(|| ApiError::not_found(format!("template {id_or_name} not found")))?;
-    Ok(Reply::json(
-        200,
-        models::template(build.as_ref(), snapshot.as_ref(), envd(ctx)),
-    ))
+    let mut v = models::template(build.as_ref(), snapshot.as_ref(), envd(ctx));
+    let standbys = snapshot
+        .as_ref()
+        .and_then(|s| ctx.orchestrator.catalog().standbys(s));
+    if let Some((most, ready, target)) = standbys {
+        v["standbys"] = json!({"max": most, "ready": ready, "target": target});
+    }
+    Ok(Reply::json(200, v))
+}
+
+/// `PATCH /templates/{idOrName}` `{"standbys": n}` (0..=16): the most warm standbys the
+/// template keeps; answered with the template.
+fn patch_template(ctx: &Context, req: &mut Request, id_or_name: &str) -> Result<Reply, ApiError> {
+    let f = body(ctx, req)?;
+    let standbys = f
+        .int_in("standbys", 0..=16)?
+        .ok_or_else(|| ApiError::bad_request("standbys is required (0..=16)"))?;
+    ctx.orchestrator
+        .handle(OrchRequest::SetTemplateStandbys {
+            id_or_name,
+            standbys: standbys as u32,
+        })
+        .and_then(|r| r.into_done())?;
+    get_template(ctx, id_or_name)
 }
 
 fn list_templates(ctx: &Context) -> Result<Reply, ApiError> {

@@ -219,6 +219,8 @@ pub(crate) mod sides {
         pub fail_boot_finished: bool,
         /// The guest agent answers everything but `sync` (with an error).
         pub fail_sync: bool,
+        /// A standby's warm-up takes this long.
+        pub warm_up_ms: u64,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -382,6 +384,7 @@ pub(crate) mod sides {
                 step: "loading the template's state",
                 source,
             })?;
+            std::thread::sleep(Duration::from_millis(self.script.warm_up_ms));
             let deadline = Instant::now() + Duration::from_secs(5);
             self.connect_agent(deadline)
                 .map_err(|source| WarmUpError::Agent {
@@ -397,6 +400,9 @@ pub(crate) mod sides {
         }
         fn set_nice(&mut self, _: i32) -> Result<(), VmError> {
             Ok(())
+        }
+        fn memory_kib(&mut self) -> Option<u64> {
+            Some(40 << 10)
         }
         fn disk_chain_depth(&mut self) -> Result<usize, VmError> {
             Ok(1)

@@ -505,6 +505,31 @@ impl Orchestrator {
         self.on_state_disk(DiskUse::Build, || templates::submit(&self.shared, req))
     }
 
+    /// `PATCH /templates/{idOrName}` `{"standbys": n}`: kept with the template's record;
+    /// standbys above it go at once.
+    fn set_template_standbys(&self, id_or_name: &str, standbys: u32) -> Result<(), OrchError> {
+        let id = match self.shared.catalog.resolve(id_or_name) {
+            Some(build) => build?,
+            None => id_or_name.to_string(),
+        };
+        let snap = self
+            .shared
+            .snapshots
+            .lookup(&id)
+            .filter(|s| s.template.is_some())
+            .ok_or_else(|| {
+                OrchError::NotFound(format!(
+                    "template {id_or_name} not found (or not built from an image, so it has no standbys)"
+                ))
+            })?;
+        self.shared.snapshots.set_standbys(&snap.id, standbys)?;
+        self.shared
+            .launcher
+            .standby
+            .set_cap(&snap.id, Some(standbys));
+        Ok(())
+    }
+
     /// `DELETE /templates/{idOrName}`: a template or a snapshot; 409 while building.
     /// Sandboxes made from it keep working.
     fn delete_template(&self, id_or_name: &str) -> Result<(), OrchError> {
@@ -627,8 +652,11 @@ impl Orchestrator {
                 .collect(),
         };
         // A template built with POST /templates keeps standbys from its first use on.
-        let standby = snap.template.as_ref().and_then(|_| {
-            launcher.standby.want(&snap.id, &snap.capture, resources);
+        let standby = snap.template.as_ref().and_then(|t| {
+            let cap = t.standbys;
+            launcher
+                .standby
+                .want(&snap.id, &snap.capture, resources, cap);
             launcher.standby.claim(&snap.id, &*launcher.net)
         });
         let info = operations::clone_from_capture(

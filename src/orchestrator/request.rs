@@ -125,6 +125,11 @@ pub enum Request<'a> {
     DeleteTemplate {
         id_or_name: &'a str,
     },
+    /// `PATCH /templates/{idOrName}`: the most warm standbys the template may have.
+    SetTemplateStandbys {
+        id_or_name: &'a str,
+        standbys: u32,
+    },
     /// `POST /templates/tags`: `tags` for the build `target` (`name:tag`) points at.
     AssignTags {
         target: &'a str,
@@ -279,6 +284,7 @@ impl Request<'_> {
             Request::RequestBuild { .. } => "request_build",
             Request::StartBuild { .. } => "start_build",
             Request::DeleteTemplate { .. } => "delete_template",
+            Request::SetTemplateStandbys { .. } => "set_template_standbys",
             Request::AssignTags { .. } => "assign_tags",
             Request::RemoveTags { .. } => "remove_tags",
             Request::GrantUpload { .. } => "grant_upload",
@@ -449,6 +455,12 @@ impl Orchestrator {
             Request::DeleteTemplate { id_or_name } => {
                 self.delete_template(id_or_name).map(|()| R::Done)?
             }
+            Request::SetTemplateStandbys {
+                id_or_name,
+                standbys,
+            } => self
+                .set_template_standbys(id_or_name, standbys)
+                .map(|()| R::Done)?,
             Request::AssignTags { target, tags } => {
                 R::Tagged(self.shared.catalog.assign_tags(target, tags)?)
             }

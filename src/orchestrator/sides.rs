@@ -152,6 +152,10 @@ pub(crate) trait Machine: Send {
     fn set_carrier(&mut self, up: bool) -> Result<(), VmError>;
     /// The nice value of every thread of the VM process.
     fn set_nice(&mut self, nice: i32) -> Result<(), VmError>;
+    /// What the VM process holds of the host's memory (PSS, KiB), if known.
+    fn memory_kib(&mut self) -> Option<u64> {
+        None
+    }
     /// The guest of a cold boot has booted: drop what only its boot needed.
     fn boot_finished(&mut self) -> Result<(), VmError> {
         Ok(())
@@ -251,6 +255,9 @@ impl Machine for Vm {
     }
     fn set_nice(&mut self, nice: i32) -> Result<(), VmError> {
         Vm::set_nice(self, nice)
+    }
+    fn memory_kib(&mut self) -> Option<u64> {
+        crate::sys::procmem::pss_kib(self.pid())
     }
     fn boot_finished(&mut self) -> Result<(), VmError> {
         Vm::boot_finished(self)

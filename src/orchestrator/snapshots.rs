@@ -48,6 +48,10 @@ pub struct SnapshotRecord {
 pub struct TemplateSource {
     pub image: String,
     pub start_cmd: Option<String>,
+    /// Most warm standbys of this template (`PATCH /templates/{id}`); `None`: the
+    /// server's `standby_per_template`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standbys: Option<u32>,
 }
 
 impl SnapshotRecord {
@@ -214,6 +218,24 @@ impl Snapshots {
 
     pub fn list(&self) -> Vec<SnapshotRecord> {
         self.by_id.read().values().cloned().collect()
+    }
+
+    /// Sets the most standbys of the template `id` (a record with a template source).
+    pub fn set_standbys(&self, id: &str, standbys: u32) -> Result<(), OrchError> {
+        let updated = {
+            let mut map = self.by_id.write();
+            let record = map.get_mut(id).filter(|r| r.template.is_some());
+            record.map(|r| {
+                if let Some(t) = r.template.as_mut() {
+                    t.standbys = Some(standbys);
+                }
+                r.clone()
+            })
+        };
+        match updated {
+            Some(r) => self.save(&r),
+            None => Err(OrchError::NotFound(format!("template {id} not found"))),
+        }
     }
 
     /// Notes a sandbox created from the snapshot.

@@ -96,6 +96,8 @@ pub(crate) struct Claimed {
 struct Standby {
     template: String,
     claimed: Claimed,
+    /// Its QEMU's PSS once warm (KiB): what it holds of the pool's memory budget.
+    held_kib: u64,
 }
 
 impl Standby {
@@ -117,12 +119,37 @@ impl Standby {
     }
 }
 
+/// How big the pool may grow (`[templates]`, docs/configuration.md).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PoolSizing {
+    /// Most standbys of one template (`standby_per_template`; a template's own setting
+    /// overrides it); 0 turns the pool off.
+    pub per_template: usize,
+    /// Memory all standbys together may hold (`standby_memory_mb`, their QEMUs' PSS).
+    pub memory_kib: u64,
+    /// A template's target shrinks by one per this long without a create from it
+    /// (`standby_idle_secs`).
+    pub idle: Duration,
+}
+
+/// What a standby of a template not measured yet is expected to hold.
+const FIRST_ESTIMATE_KIB: u64 = 64 << 10;
+
 /// A template the pool keeps standbys for.
 struct Wanted {
     record: CaptureRecord,
     resources: Resources,
     /// No new standby before this (admission full, or the last one failed).
     retry_at: Option<Instant>,
+    /// Most standbys it may have.
+    cap: usize,
+    /// Standbys it should have now: 1 at first, one more each time a create finds none
+    /// left, one less per idle period; within `0..=cap`.
+    target: usize,
+    /// The last create from it, or the last shrink.
+    last_use: Instant,
+    /// What its last standby held once warm (KiB).
+    estimate_kib: u64,
 }
 
 #[derive(Default)]
@@ -139,15 +166,61 @@ impl PoolState {
         self.ready.iter().filter(|s| s.template == template).count()
     }
 
-    /// A template that lacks a standby and may get one now.
-    fn deficit(&self, per_template: usize, now: Instant) -> Option<(String, CaptureRecord)> {
+    fn held_kib(&self) -> u64 {
+        self.ready.iter().map(|s| s.held_kib).sum()
+    }
+
+    /// A template below its target that may get a standby now, within the memory budget.
+    fn deficit(&self, budget_kib: u64, now: Instant) -> Option<(String, CaptureRecord)> {
         if self.closed || self.refill_after.is_some_and(|t| now < t) {
             return None;
         }
+        let held = self.held_kib();
         self.wanted
             .iter()
-            .find(|(t, w)| self.count(t) < per_template && w.retry_at.is_none_or(|at| now >= at))
+            .find(|(t, w)| {
+                self.count(t) < w.target
+                    && w.retry_at.is_none_or(|at| now >= at)
+                    && held + w.estimate_kib <= budget_kib
+            })
             .map(|(t, w)| (t.clone(), w.record.clone()))
+    }
+
+    /// A create from `template` came: one more standby when it found none left.
+    fn used(&mut self, template: &str, now: Instant) {
+        let left = self.count(template);
+        if let Some(w) = self.wanted.get_mut(template) {
+            w.last_use = now;
+            if left == 0 {
+                w.target = (w.target + 1).min(w.cap);
+            }
+        }
+    }
+
+    /// Targets of templates idle for `idle` drop by one (not below one); standbys above
+    /// their target are taken out, newest first.
+    fn shrink(&mut self, idle: Duration, now: Instant) -> Vec<Standby> {
+        for w in self.wanted.values_mut() {
+            if w.target > 1 && now.duration_since(w.last_use) >= idle {
+                w.target -= 1;
+                w.last_use = now;
+            }
+        }
+        let mut taken = Vec::new();
+        let targets: Vec<(String, usize)> = self
+            .wanted
+            .iter()
+            .map(|(t, w)| (t.clone(), w.target))
+            .collect();
+        for (template, target) in targets {
+            while self.count(&template) > target {
+                let Some(i) = self.ready.iter().rposition(|s| s.template == template) else {
+                    break;
+                };
+                taken.push(self.ready.remove(i));
+            }
+        }
+        taken
     }
 }
 
@@ -160,7 +233,7 @@ enum Event {
 
 /// The pool (see the module doc). Lives in the [`Launcher`].
 pub(crate) struct StandbyPool {
-    per_template: usize,
+    sizing: PoolSizing,
     state: Mutex<PoolState>,
     worker: Mutex<Option<Sender<Event>>>,
     hits: AtomicU64,
@@ -171,10 +244,10 @@ pub(crate) struct StandbyPool {
 }
 
 impl StandbyPool {
-    pub fn new(per_template: u32, deaths: Arc<VmDeaths>) -> StandbyPool {
+    pub fn new(sizing: PoolSizing, deaths: Arc<VmDeaths>) -> StandbyPool {
         StandbyPool {
             deaths,
-            per_template: per_template as usize,
+            sizing,
             state: Mutex::new(PoolState::default()),
             worker: Mutex::new(None),
             hits: AtomicU64::new(0),
@@ -187,7 +260,7 @@ impl StandbyPool {
     /// 0 starts nothing.
     pub fn start(launcher: &Arc<Launcher>, sandboxes_dir: PathBuf) {
         let pool = &launcher.standby;
-        if pool.per_template == 0 {
+        if pool.sizing.per_template == 0 {
             return;
         }
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -208,16 +281,28 @@ impl StandbyPool {
             .is_some_and(|w| w.send(event).is_ok())
     }
 
-    /// Keeps standbys for the built template `template` from now on (idempotent).
-    /// Templates whose RAM is in their state file are not pooled: loading it is most
-    /// of their restore.
-    pub fn want(&self, template: &str, record: &CaptureRecord, resources: Resources) {
-        if self.per_template == 0 || record.memory_file.is_none() {
+    /// Keeps standbys for the built template `template` from now on (idempotent), at
+    /// most `cap` of them (`None`: `standby_per_template`). Templates whose RAM is in
+    /// their state file are not pooled: loading it is most of their restore.
+    pub fn want(
+        &self,
+        template: &str,
+        record: &CaptureRecord,
+        resources: Resources,
+        cap: Option<u32>,
+    ) {
+        if self.sizing.per_template == 0 || record.memory_file.is_none() {
             return;
         }
+        let cap = cap.map_or(self.sizing.per_template, |c| c as usize);
         {
             let mut state = self.state.lock();
-            if state.closed || state.wanted.contains_key(template) {
+            if state.closed {
+                return;
+            }
+            if let Some(w) = state.wanted.get_mut(template) {
+                w.cap = cap;
+                w.target = w.target.min(cap);
                 return;
             }
             state.wanted.insert(
@@ -226,8 +311,23 @@ impl StandbyPool {
                     record: record.clone(),
                     resources,
                     retry_at: None,
+                    cap,
+                    target: cap.min(1),
+                    last_use: Instant::now(),
+                    estimate_kib: FIRST_ESTIMATE_KIB,
                 },
             );
+        }
+        self.notify(Event::Refill);
+    }
+
+    /// The most standbys `template` may have from now on (`None`: the server's
+    /// default); ones above it are discarded by the worker.
+    pub fn set_cap(&self, template: &str, cap: Option<u32>) {
+        let cap = cap.map_or(self.sizing.per_template, |c| c as usize);
+        if let Some(w) = self.state.lock().wanted.get_mut(template) {
+            w.cap = cap;
+            w.target = w.target.min(cap).max(cap.min(1));
         }
         self.notify(Event::Refill);
     }
@@ -242,7 +342,9 @@ impl StandbyPool {
                     return None;
                 }
                 let at = state.ready.iter().position(|s| s.template == template);
-                at.map(|i| state.ready.swap_remove(i))
+                let taken = at.map(|i| state.ready.swap_remove(i));
+                state.used(template, Instant::now());
+                taken
             };
             let Some(mut standby) = taken else {
                 self.misses.fetch_add(1, Ordering::Relaxed);
@@ -334,19 +436,39 @@ impl StandbyPool {
         }
     }
 
+    #[cfg(test)]
     pub fn ready(&self) -> usize {
         self.state.lock().ready.len()
     }
 
-    /// `agentenv_standby_vms` and `agentenv_standby_claims_total`.
+    /// The standbys of `template` waiting now, and how many it should have.
+    pub fn of(&self, template: &str) -> (usize, usize) {
+        let state = self.state.lock();
+        let target = state.wanted.get(template).map_or(0, |w| w.target);
+        (state.count(template), target)
+    }
+
+    /// `agentenv_standby_vms`, `agentenv_standby_memory_bytes` and
+    /// `agentenv_standby_claims_total`.
     pub fn render_metrics(&self, out: &mut String) {
         use std::fmt::Write;
+        let (ready, wanted, held_kib) = {
+            let state = self.state.lock();
+            let wanted: usize = state.wanted.values().map(|w| w.target).sum();
+            (state.ready.len(), wanted, state.held_kib())
+        };
         super::metrics::render_state_gauge(
             out,
             "agentenv_standby_vms",
-            "Pre-started QEMU processes waiting for a create from a template.",
-            &[("ready", self.ready())],
+            "Warm standbys waiting for a create from a template (ready), and how many the pool aims for now (target).",
+            &[("ready", ready), ("target", wanted)],
         );
+        out.push_str(
+            "# HELP agentenv_standby_memory_bytes Memory the waiting standbys hold (their QEMUs' PSS).
+# TYPE agentenv_standby_memory_bytes gauge
+",
+        );
+        let _ = writeln!(out, "agentenv_standby_memory_bytes {}", held_kib << 10);
         out.push_str(
             "# HELP agentenv_standby_claims_total Creates from a pooled template, by whether a standby was ready.\n",
         );
@@ -378,11 +500,16 @@ impl StandbyPool {
     fn keep(&self, standby: Standby, net: &dyn Network) {
         let rejected = {
             let mut state = self.state.lock();
-            if state.closed || !state.wanted.contains_key(&standby.template) {
-                Some(standby)
-            } else {
-                state.ready.push(standby);
-                None
+            let closed = state.closed;
+            match state.wanted.get_mut(&standby.template) {
+                Some(w) if !closed => {
+                    if standby.held_kib > 0 {
+                        w.estimate_kib = standby.held_kib;
+                    }
+                    state.ready.push(standby);
+                    None
+                }
+                _ => Some(standby),
             }
         };
         if let Some(standby) = rejected {
@@ -428,8 +555,15 @@ fn work(launcher: Weak<Launcher>, sandboxes_dir: &Path, events: Receiver<Event>)
             );
             standby.discard(&*launcher.net, "exited");
         }
-        let Some((template, record)) = pool.state.lock().deficit(pool.per_template, Instant::now())
-        else {
+        let excess = pool.state.lock().shrink(pool.sizing.idle, Instant::now());
+        for standby in excess {
+            standby.discard(&*launcher.net, "idle");
+        }
+        let deficit = pool
+            .state
+            .lock()
+            .deficit(pool.sizing.memory_kib, Instant::now());
+        let Some((template, record)) = deficit else {
             busy = false;
             continue;
         };
@@ -440,13 +574,19 @@ fn work(launcher: Weak<Launcher>, sandboxes_dir: &Path, events: Receiver<Event>)
         };
         let started = Instant::now();
         match make(&launcher, sandboxes_dir, &record, resources) {
-            Ok(claimed) => {
+            Ok(mut claimed) => {
+                let held_kib = claimed.prepared.warm.vm.memory_kib().unwrap_or(0);
                 log::info!(
-                    "sandboxId={} op=standby result=ready templateId={template} ms={}",
+                    "sandboxId={} op=standby result=ready templateId={template} ms={} pssKib={held_kib}",
                     claimed.id,
                     started.elapsed().as_millis()
                 );
-                pool.keep(Standby { template, claimed }, &*launcher.net);
+                let standby = Standby {
+                    template,
+                    claimed,
+                    held_kib,
+                };
+                pool.keep(standby, &*launcher.net);
             }
             Err(OrchError::TooMany(why)) => {
                 log::debug!("op=standby templateId={template} result=deferred reason=\"{why}\"");

@@ -12,6 +12,7 @@ use crate::hooks::{HookError, StopReason};
 use crate::vm::{CaptureRecord, VmError};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 const TEMPLATE: &str = "tpl-1";
 
@@ -30,9 +31,18 @@ fn template() -> CaptureRecord {
 }
 
 /// A rig whose pool keeps one standby per template, its worker running.
+/// At most `per_template` standbys per template, a roomy budget, no idle shrinking.
+fn sizing(per_template: usize) -> super::standby::PoolSizing {
+    super::standby::PoolSizing {
+        per_template,
+        memory_kib: 1 << 30,
+        idle: Duration::from_secs(3600),
+    }
+}
+
 fn pooled(limits: Limits) -> Rig {
     let rig = Rig::build(limits, |l| {
-        l.standby = StandbyPool::new(1, l.deaths.clone());
+        l.standby = StandbyPool::new(sizing(1), l.deaths.clone());
         l.standby.clone_disk = fake_clone_disk;
     });
     StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
@@ -49,7 +59,9 @@ fn roomy() -> Limits {
 impl Rig {
     fn want(&self) {
         let resources = super::fakes::settings().resources;
-        self.launcher.standby.want(TEMPLATE, &template(), resources);
+        self.launcher
+            .standby
+            .want(TEMPLATE, &template(), resources, None);
     }
 
     fn wait_ready(&self, n: usize) {
@@ -210,7 +222,7 @@ fn a_claim_when_the_host_lacks_headroom_is_refused_and_discards_the_standby() {
     };
     let admission = Admission::with_host(roomy(), room, host.clone());
     let rig = Rig::build_on(admission, |l| {
-        l.standby = StandbyPool::new(1, l.deaths.clone());
+        l.standby = StandbyPool::new(sizing(1), l.deaths.clone());
         l.standby.clone_disk = fake_clone_disk;
     });
     StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
@@ -270,7 +282,7 @@ fn shutdown_discards_every_standby_and_makes_no_more() {
 #[test]
 fn templates_without_a_ram_file_and_a_pool_of_zero_get_no_standbys() {
     let rig = Rig::build(roomy(), |l| {
-        l.standby = StandbyPool::new(0, l.deaths.clone());
+        l.standby = StandbyPool::new(sizing(0), l.deaths.clone());
         l.standby.clone_disk = fake_clone_disk;
     });
     StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
@@ -279,8 +291,101 @@ fn templates_without_a_ram_file_and_a_pool_of_zero_get_no_standbys() {
     let rig = pooled(roomy());
     let resources = super::fakes::settings().resources;
     let snapshot = super::fakes::capture();
-    rig.launcher.standby.want("snap", &snapshot, resources);
+    rig.launcher
+        .standby
+        .want("snap", &snapshot, resources, None);
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(rig.vms.standbys.load(Ordering::SeqCst), 0);
     assert!(rig.launcher.standby.claim("snap", &*rig.net).is_none());
+}
+
+/// A pool of at most `cap` per template within `memory_kib`, shrinking after `idle`.
+fn demand_rig(cap: usize, memory_kib: u64, idle: Duration) -> Rig {
+    let rig = Rig::build(roomy(), |l| {
+        let sizing = super::standby::PoolSizing {
+            per_template: cap,
+            memory_kib,
+            idle,
+        };
+        l.standby = StandbyPool::new(sizing, l.deaths.clone());
+        l.standby.clone_disk = fake_clone_disk;
+    });
+    StandbyPool::start(&rig.launcher, rig.state_dir.join("sandboxes"));
+    rig
+}
+
+/// Claims a standby and deletes the sandbox it became.
+fn claim_and_delete(rig: &Rig) {
+    let (id, created) = rig.create_from_standby();
+    created.unwrap();
+    delete(&rig.registry, &id, StopReason::Delete).unwrap();
+}
+
+/// Warm-ups that take 200 ms, so that a claim right after another finds none.
+fn slow_warm_ups(rig: &Rig) {
+    rig.script(Script {
+        warm_up_ms: 200,
+        ..Script::default()
+    });
+}
+
+#[test]
+fn the_pool_grows_when_creates_drain_it_and_shrinks_when_idle() {
+    let rig = demand_rig(3, 1 << 30, Duration::from_secs(2));
+    slow_warm_ups(&rig);
+    rig.want();
+    rig.wait_ready(1);
+    assert_eq!(rig.launcher.standby.of(TEMPLATE), (1, 1));
+    // A create that takes the last standby, and one that finds none (a miss): one more
+    // each, up to the cap.
+    claim_and_delete(&rig);
+    assert_eq!(rig.launcher.standby.of(TEMPLATE).1, 2);
+    assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
+    assert_eq!(rig.launcher.standby.of(TEMPLATE).1, 3);
+    assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
+    assert_eq!(rig.launcher.standby.of(TEMPLATE).1, 3, "capped");
+    rig.wait_ready(3);
+    // Idle: one less per idle period, down to one; the extra standbys are discarded.
+    eventually("the pool shrank to one", || {
+        rig.launcher.standby.of(TEMPLATE) == (1, 1)
+    });
+    assert_eq!(
+        rig.vms.alive.load(Ordering::SeqCst),
+        1,
+        "the others are gone"
+    );
+    assert_eq!(rig.sandbox_dirs(), 1);
+    rig.launcher.standby.forget(TEMPLATE, &*rig.net);
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn a_template_cap_of_zero_discards_its_standbys_and_makes_none() {
+    let rig = demand_rig(4, 1 << 30, Duration::from_secs(3600));
+    rig.want();
+    rig.wait_ready(1);
+    rig.launcher.standby.set_cap(TEMPLATE, Some(0));
+    rig.wait_ready(0);
+    assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(rig.launcher.standby.ready(), 0, "none made again");
+    rig.launcher.standby.forget(TEMPLATE, &*rig.net);
+    rig.assert_nothing_held();
+}
+
+#[test]
+fn refills_stop_at_the_memory_budget() {
+    // The fake VMs hold 40 MiB each: a 100 MiB budget holds two.
+    let rig = demand_rig(4, 100 << 10, Duration::from_secs(3600));
+    slow_warm_ups(&rig);
+    rig.want();
+    rig.wait_ready(1);
+    claim_and_delete(&rig);
+    assert!(rig.launcher.standby.claim(TEMPLATE, &*rig.net).is_none());
+    // The target is 3 now, but a third would pass the budget.
+    rig.wait_ready(2);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(rig.launcher.standby.of(TEMPLATE), (2, 3));
+    rig.launcher.standby.forget(TEMPLATE, &*rig.net);
+    rig.assert_nothing_held();
 }

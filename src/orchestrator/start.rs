@@ -101,7 +101,14 @@ impl Launcher {
             kernel_args,
             outbound: config.network.outbound,
             spawn: supervisor::spawn_thread,
-            standby: StandbyPool::new(config.templates.standby_per_template, deaths.clone()),
+            standby: StandbyPool::new(
+                super::standby::PoolSizing {
+                    per_template: config.templates.standby_per_template as usize,
+                    memory_kib: config.templates.standby_memory_mb << 10,
+                    idle: std::time::Duration::from_secs(config.templates.standby_idle_secs),
+                },
+                deaths.clone(),
+            ),
             deaths,
             warm_up: super::warmup::WarmUp {
                 envd_port: config.agent.port,

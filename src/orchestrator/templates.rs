@@ -827,6 +827,7 @@ fn build(
     record.template = Some(TemplateSource {
         image: req.image.clone(),
         start_cmd: req.start_cmd.clone(),
+        standbys: None,
     });
     let capture = record.capture.clone();
     shared.snapshots.insert(record)?;
@@ -834,7 +835,7 @@ fn build(
     shared
         .launcher
         .standby
-        .want(template_id, &capture, req.resources);
+        .want(template_id, &capture, req.resources, None);
     Ok(())
 }
 

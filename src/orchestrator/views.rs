@@ -28,6 +28,20 @@ pub struct Observer<'a> {
 }
 
 impl CatalogView<'_> {
+    /// The warm standbys of template (snapshot) `id`: `(most, ready, target)`.
+    pub fn standbys(
+        &self,
+        snapshot: &super::snapshots::SnapshotRecord,
+    ) -> Option<(u32, usize, usize)> {
+        let source = snapshot.template.as_ref()?;
+        let launcher = &self.orch.shared.launcher;
+        let most = source
+            .standbys
+            .unwrap_or(self.orch.shared.config.templates.standby_per_template);
+        let (ready, target) = launcher.standby.of(&snapshot.id);
+        Some((most, ready, target))
+    }
+
     /// Every snapshot captured from a sandbox (template builds are not listed).
     pub fn snapshots(&self) -> Vec<SnapshotRecord> {
         let mut list = self.orch.shared.snapshots.list();

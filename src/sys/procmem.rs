@@ -55,6 +55,14 @@ impl Mapping {
 }
 
 /// glibc's split of a `dev_t` into major and minor numbers.
+/// The proportional set size of process `pid` (KiB, `/proc/<pid>/smaps_rollup`);
+/// `None` when unreadable.
+pub fn pss_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let line = text.lines().find(|l| l.starts_with("Pss:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 pub fn dev_major_minor(dev: u64) -> (u32, u32) {
     let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
     let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
