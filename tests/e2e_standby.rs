@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::cluster::envd_sh;
 use common::extension::{Behavior, Extension};
 use common::*;
 use serde_json::json;
@@ -57,14 +58,16 @@ fn nothing_left(s: &Server) {
 
 #[test]
 fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
+    let _serial = serial();
     let ext = Extension::start();
+    // One standby per template at most: this test follows one QEMU at a time.
     let mut s = Server::start(&format!(
-        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n\n[templates]\nstandby_per_template = 1\n",
         ext.url()
     ));
     build_template(&s, "st");
-    // The build's end starts the template's standby: a QEMU waiting for its state, whose
-    // guest has not run (its console is empty).
+    // The build's end starts the template's standby: a warmed-up QEMU whose guest printed
+    // nothing on its console.
     wait_ready(&s, 1);
     let first = standby_pid(&s, &[]);
     let console: Vec<_> = files_under(&s.state_dir.join("sandboxes"))
@@ -191,4 +194,218 @@ fn creates_from_a_built_template_use_standbys_and_nothing_is_left() {
             r.sandbox_id()
         );
     }
+}
+
+/// `tcpdump` on `iface` in the network namespace `ns`, writing to a file.
+struct Capture {
+    ns: String,
+    iface: &'static str,
+    file: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl Capture {
+    fn start(ns: &str, iface: &'static str, dir: &std::path::Path) -> Capture {
+        let file = dir.join(format!("{ns}-{iface}.pcap"));
+        let child = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "tcpdump",
+                "--immediate-mode",
+                "-i",
+                iface,
+                "-n",
+                "-U",
+                "-w",
+            ])
+            .arg(&file)
+            .stderr(std::fs::File::create(dir.join(format!("{ns}-{iface}.err"))).unwrap())
+            .spawn()
+            .expect("tcpdump (scripts/setup.sh installs it)");
+        Capture {
+            ns: ns.to_string(),
+            iface,
+            file,
+            child,
+        }
+    }
+
+    /// Stops the capture; the epoch seconds of every packet it saw.
+    fn stop(mut self) -> Vec<f64> {
+        host("kill", &["-INT", &self.child.id().to_string()]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        assert!(
+            wait_exit(&mut self.child, deadline).is_some(),
+            "tcpdump did not stop"
+        );
+        let out = std::process::Command::new("tcpdump")
+            .args(["-r"])
+            .arg(&self.file)
+            .args(["-tt", "-n"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split(' ').next()?.parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for Capture {
+    /// A test that failed before [`Capture::stop`] leaves no tcpdump running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn set_standbys(s: &Server, template: &str, n: u32) -> serde_json::Value {
+    let (code, v) = s.call(
+        "PATCH",
+        &format!("/templates/{template}"),
+        Some(json!({ "standbys": n })),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["standbys"]["max"], n, "{v}");
+    v
+}
+
+/// What a guest shows of its processes (kernel threads, whose command line is empty, come
+/// and go), environment and scratch space: a warm standby's sandbox must show the same as
+/// one restored without a warm-up.
+fn guest_view(s: &Server, id: &str) -> String {
+    sh(
+        s,
+        id,
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep . | sort; \
+         env | sort; ls -a /tmp /root; id",
+    )
+}
+
+const TARGET: &str = "agentenv_standby_vms{state=\"target\"}";
+
+#[test]
+fn a_warm_standby_sends_nothing_leaves_nothing_and_the_pool_follows_demand() {
+    let _serial = serial();
+    let ext = Extension::start();
+    let mut s = Server::start(&format!(
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n\n[templates]\nstandby_idle_secs = 3\n",
+        ext.url()
+    ));
+    build_template(&s, "wt");
+    wait_ready(&s, 1);
+    // Standbys off for the template, so that the captures run before the next warms up.
+    set_standbys(&s, "wt", 0);
+    wait_ready(&s, 0);
+    let dir = scratch_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let captures: Vec<Capture> = netns_files()
+        .iter()
+        .flat_map(|ns| ["tap0", "veth0"].map(|i| Capture::start(ns, i, &dir)))
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    set_standbys(&s, "wt", 4);
+    wait_ready(&s, 1);
+    let pid = standby_pid(&s, &[]);
+    let ns = host("ip", &["netns", "identify", &pid.to_string()])
+        .trim()
+        .to_string();
+    assert!(
+        captures.iter().any(|c| c.ns == ns),
+        "the standby's namespace {ns} was not captured"
+    );
+    assert!(s.log().contains("op=standby result=ready"));
+    std::thread::sleep(Duration::from_secs(1));
+
+    // The claim: start-resume, clock, carrier up. The guest saw its carrier go down and up.
+    let claimed_at = unix_now();
+    let (code, v) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "wt", "timeout": 120})),
+    );
+    assert_eq!(code, 201, "{v}");
+    let warm = id_of(&v);
+    let token = v["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(
+        qemu_processes_with(&warm),
+        [pid],
+        "the standby became the sandbox"
+    );
+    let (out, exit) = envd_sh(
+        &s,
+        &warm,
+        &token,
+        "cat /sys/class/net/eth0/carrier /sys/class/net/eth0/carrier_down_count",
+    );
+    assert_eq!(exit, 0, "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "1", "carrier up after the claim: {out}");
+    assert!(
+        lines[1].parse::<u32>().unwrap() >= 1,
+        "carrier was down: {out}"
+    );
+
+    // Nothing crossed the tap or the slot's veth before the claim; the envd call after it
+    // did (the capture sees what it should).
+    for c in captures {
+        let (theirs, iface) = (c.ns.clone(), c.iface);
+        let packets = c.stop();
+        if theirs != ns {
+            continue;
+        }
+        let before: Vec<_> = packets.iter().filter(|t| **t < claimed_at).collect();
+        assert!(
+            before.is_empty(),
+            "{iface} in {ns} before the claim: {before:?}"
+        );
+        if iface == "tap0" {
+            let err = std::fs::read_to_string(dir.join(format!("{ns}-{iface}.err")));
+            assert!(
+                !packets.is_empty(),
+                "the envd call crossed {iface}: {err:?}"
+            );
+        }
+    }
+
+    // The pool follows demand: the claim took the last standby, so the target grew; idle,
+    // it shrinks back to one.
+    assert!(metric(&s, TARGET) >= 2);
+    wait_ready(&s, 2);
+    assert!(
+        wait_until(Duration::from_secs(20), || metric(&s, TARGET) == 1
+            && metric(&s, READY) == 1),
+        "the pool did not shrink:\n{}",
+        s.log()
+    );
+    assert!(s.log().contains("reason=idle"));
+    assert!(metric(&s, "agentenv_standby_memory_bytes") > 0);
+
+    // The warm-up left nothing: the same processes, environment and files as a sandbox
+    // restored without one (a miss).
+    let warm_view = guest_view(&s, &warm);
+    assert!(!warm_view.contains("agentenv-warmup"), "{warm_view}");
+    set_standbys(&s, "wt", 0);
+    wait_ready(&s, 0);
+    let cold = s.create_from("wt", 120);
+    assert_eq!(guest_view(&s, &cold), warm_view);
+    assert_eq!(
+        ext.requests_for("start-resume").len(),
+        2,
+        "start-resume only for the two creates"
+    );
+    for id in [&warm, &cold] {
+        assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    }
+    s.stop();
+    nothing_left(&s);
 }
