@@ -66,14 +66,20 @@ fn main() {
         template: &ramfile,
         runs,
     };
-    let create_plain = bench.run(
-        "create from a built template `POST /sandboxes` → 201, no extension",
+    let (create_plain, first_plain) = bench.run(
+        [
+            "create from a built template `POST /sandboxes` → 201, no extension (a warm standby)",
+            "create → first command answer, no extension (a warm standby)",
+        ],
         &work.join("s1"),
         "",
         &mut load,
     );
-    let create_no_pool = bench.run(
-        "the same without the standby pool (`standby_per_template = 0`)",
+    let (create_no_pool, first_no_pool) = bench.run(
+        [
+            "the same with no standby (a miss: `standby_per_template = 0`)",
+            "create → first command answer, no extension (a miss)",
+        ],
         &work.join("s1b"),
         "[templates]\nstandby_per_template = 0\n",
         &mut load,
@@ -181,7 +187,7 @@ fn main() {
 
     println!("| operation | agentenv p50 | agentenv p90 | raw floor p50 | raw floor p90 | ratio (p50) | goal |");
     println!("|---|---|---|---|---|---|---|");
-    let mut all = vec![&create_plain, &create_no_pool];
+    let mut all = vec![&create_plain, &create_no_pool, &first_plain, &first_no_pool];
     all.extend(rows.iter());
     all.extend([&snapshot, &create_snap]);
     for row in all {
@@ -344,29 +350,49 @@ struct CreateBench<'a> {
 }
 
 impl CreateBench<'_> {
-    /// One row; `config` is appended to the server's config file.
-    fn run(&self, name: &'static str, work: &Path, config: &str, load: &mut Vec<f64>) -> Row {
+    /// Two rows (create → 201, create → first command); `config` is appended to the
+    /// server's config file. With the pool on, each create waits for a warm standby.
+    fn run(
+        &self,
+        [name, first_name]: [&'static str; 2],
+        work: &Path,
+        config: &str,
+        load: &mut Vec<f64>,
+    ) -> (Row, Row) {
         let mut row = Row::new(name, Some(40.0));
+        let mut first = Row::new(first_name, Some(60.0));
+        let pooled = !config.contains("standby_per_template = 0");
         let server = BenchServer::start_with(self.assets, work, None, config);
         let built = server.build_template(self.image, "bench-built-1");
         for i in 0..self.runs {
             std::thread::sleep(SETTLE);
+            if pooled {
+                server.wait_standby();
+            }
+            let mut firsts = (0.0, 0.0);
             let (p, f) = alternate(
                 i % 2 == 0,
                 || {
+                    let t = Instant::now();
                     let (clone, took) = server.create_from_template(&built);
+                    server.command(&clone, "true");
+                    firsts.0 = ms_since(t);
                     server.delete(&clone);
                     took
                 },
                 || {
                     let dir = work.join(format!("f1-{i}"));
+                    let t = Instant::now();
                     let (vm, took) = self.floor.clone_template(self.template, &dir);
+                    vm.exec("true");
+                    firsts.1 = ms_since(t);
                     drop(vm);
                     std::fs::remove_dir_all(&dir).unwrap();
                     took
                 },
             );
             row.push(p, f);
+            first.push(firsts.0, firsts.1);
             load.push(load_average());
             eprintln!("phase 1 ({name}): run {}/{} done", i + 1, self.runs);
         }
@@ -378,7 +404,7 @@ impl CreateBench<'_> {
             "phase 1 ({name}): {from_standby} of {} creates took a standby",
             self.runs
         );
-        row
+        (row, first)
     }
 }
 
@@ -485,6 +511,7 @@ fn product_user_path(
     extension: &HookExtension,
 ) -> (UserPath, f64, (Option<f64>, Option<f64>)) {
     let mut p = UserPath::default();
+    server.wait_standby();
     let t = Instant::now();
     let (id, create) = server.create_from_template(template);
     let create_hook = extension.since_start_resume(t);

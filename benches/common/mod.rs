@@ -382,6 +382,28 @@ impl BenchServer {
     }
 
     /// The new sandbox's id and the time to its 201.
+    /// Waits (up to 60 s) until a warm standby waits: a create then measures a hit.
+    pub fn wait_standby(&self) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let text = ureq::get(&format!("{}/metrics", self.base))
+                .call()
+                .ok()
+                .and_then(|r| r.into_string().ok())
+                .unwrap_or_default();
+            let ready = text
+                .lines()
+                .find_map(|l| l.strip_prefix("agentenv_standby_vms{state=\"ready\"} "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            if ready > 0 {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("no standby became ready within 60 s");
+    }
+
     pub fn create_from_template(&self, template: &str) -> (String, f64) {
         let t = Instant::now();
         let v = self.call(
