@@ -390,7 +390,11 @@ fn a_warm_standby_sends_nothing_leaves_nothing_and_the_pool_follows_demand() {
     assert!(s.log().contains("reason=idle"));
     assert!(metric(&s, "agentenv_standby_memory_bytes") > 0);
     // What each warm-up took and what its standby held (docs/performance.md).
-    for line in s.log().lines().filter(|l| l.contains("op=standby result=ready")) {
+    for line in s
+        .log()
+        .lines()
+        .filter(|l| l.contains("op=standby result=ready"))
+    {
         eprintln!("{line}");
     }
 
