@@ -1,15 +1,16 @@
-//! The standby pool: QEMU processes started ahead of `POST /sandboxes` from a template
-//! built with `POST /templates`, so that a create skips the process start (about 30 ms of
-//! a restore under TCG) and only loads the template's device state.
+//! The standby pool: warm VMs of templates built with `POST /templates`, made ahead of
+//! `POST /sandboxes`, so that a create skips QEMU's start and the state load, and its
+//! first command skips QEMU's first translation of the code it runs.
 //!
-//! A standby is a sandbox-to-be with everything but its state: an id chosen in advance
-//! (its run dir is `<state_dir>/sandboxes/<id>`, so nothing is renamed when it is
-//! claimed), a disk overlay over the template's frozen layers, a network slot, the
-//! template's admission share ([`Reservation`]) and QEMU started with `-incoming defer`
-//! in that slot, mapping the template's RAM file. Its guest has not run and runs no code
-//! until the claiming create's start-resume succeeded: the claim goes through the one
-//! start sequence ([`super::start`]), which loads the state into the standby while the
-//! hook runs and lets the vCPUs run only after it (custom-extension.md §3.2).
+//! A standby is a sandbox-to-be: an id chosen in advance (its run dir is
+//! `<state_dir>/sandboxes/<id>`, so nothing is renamed when it is claimed), a disk overlay
+//! over the template's frozen layers, a network slot, the template's admission share
+//! ([`Reservation`]) and QEMU started with `-incoming defer` in that slot, mapping the
+//! template's RAM file; then warmed up with its NIC's carrier down ([`super::warmup`]) and
+//! left with its vCPUs stopped and its agent connected. No frame leaves or reaches its
+//! guest until the claiming create's start-resume succeeded: the claim goes through the
+//! one start sequence ([`super::start`]), which runs the vCPUs, sets the clock and puts
+//! the carrier up only after the hook (custom-extension.md §3.2).
 //!
 //! Threads: one worker thread per pool makes standbys (one at a time), replaces dead
 //! ones and discards those of deleted templates. It is the parent thread of every
@@ -18,8 +19,10 @@
 //! the pool on the API thread; from then on the sandbox's supervisor thread owns it like
 //! any VM it started.
 //!
-//! Sizing: `[templates] standby_per_template` standbys for each built template that was
-//! built or created from since the server started (0 disables the pool). A standby holds
+//! Sizing follows demand ([`PoolSizing`]): for each built template that was built or
+//! created from since the server started, a target of 1, one more each time a create
+//! finds none left, up to `standby_per_template` (or the template's own cap), one less per
+//! idle period; refills stop at the memory budget (0 disables the pool). A standby holds
 //! the admission share of the sandbox it will become, so a claim never overcommits; a
 //! start that admission refuses takes the share back from a standby first
 //! ([`StandbyPool::evict_one`]), so the pool never makes a start fail, and refills pause

@@ -3,14 +3,15 @@
 //! §5.3, §5.5, §5.8, §5.9):
 //!
 //! 1. admission: the VM's memory and vCPUs are reserved, or the start is refused (429)
-//!    before anything else is made and before the extension hears of it; a claimed
+//!    before anything else is made and before the extension hears of it; a claimed warm
 //!    standby brings its share, and the host's headroom is checked again for it (refused:
 //!    the standby is discarded);
 //! 2. a network slot, with the sandbox's outbound choice applied (network.md §5.4);
 //! 3. the start hook (start-fresh, whose `extraBootArgs` go last on the kernel command
 //!    line, or start-resume), journaled first by the hook client; a restore's VM is
 //!    prepared meanwhile (QEMU started, state loaded, vCPUs stopped), so the hook and the
-//!    QEMU start overlap, and the vCPUs run only after the hook succeeded;
+//!    QEMU start overlap, and the vCPUs run only after the hook succeeded (a warm
+//!    standby's carrier goes up after that and the clock set: no guest traffic before);
 //! 4. rollback when the hook failed (custom-extension.md §7.3): stop for the attempt,
 //!    then the slot, then the reservation;
 //! 5. the supervisor thread, which from then on owns VM, slot, instance and reservation
