@@ -1132,7 +1132,7 @@ fn patch_template(ctx: &Context, req: &mut Request, id_or_name: &str) -> Result<
     let f = body(ctx, req)?;
     let standbys = f
         .int_in("standbys", 0..=16)?
-        .ok_or_else(|| ApiError::bad_request("standbys is required (0..=16)"))?;
+        .ok_or_else(|| ApiError::unprocessable("missing required field standbys (0..=16)"))?;
     ctx.orchestrator
         .handle(OrchRequest::SetTemplateStandbys {
             id_or_name,
