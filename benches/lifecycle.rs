@@ -120,6 +120,8 @@ fn main() {
         eprintln!("phase 2: run {}/{runs} done", i + 1);
     }
     let start_resumes = extension.start_resumes() - resumes_before;
+    let burst = burst(&server, &built);
+    load.push(load_average());
 
     // Phase 3 (same server): snapshot of a running cold-booted sandbox, and create from
     // that snapshot used as a template (its RAM is in the state file).
@@ -214,6 +216,7 @@ fn main() {
          file with `-S` + those pages written back + migrate-incoming of the device state \
          (behind the template's ROM blocks) + cont + the agent's first answer; snapshot = stop + migrate to file + cont."
     );
+    println!("{burst}");
     println!(
         "start-resume hooks answered by the local extension: {start_resumes} (expected {}); \
          snapshots left after cleanup: {leftover}; 1-min load average during the run: \
@@ -623,4 +626,53 @@ fn floor_resume_dirty(
             .expect("the floor VM's agent did not answer after a dirty resume"),
     );
     vm
+}
+
+/// A burst: 8 clients at once, each creating 4 sandboxes from `template` and running a
+/// first command in each; all 32 are deleted after. A markdown row: how many were
+/// answered and refused, and create → first command answer p50 / p90.
+fn burst(server: &BenchServer, template: &str) -> String {
+    const CLIENTS: usize = 8;
+    const EACH: usize = 4;
+    let results: Vec<Result<(String, f64), String>> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..EACH)
+                        .map(|_| {
+                            let t = Instant::now();
+                            let body = serde_json::json!({"templateID": template, "timeout": 600});
+                            let v = server.try_call("POST", "/sandboxes", Some(body), 201)?;
+                            let id = v["sandboxID"].as_str().unwrap_or_default().to_string();
+                            server.command(&id, "true");
+                            Ok((id, ms_since(t)))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        clients.into_iter().flat_map(|c| c.join().unwrap()).collect()
+    });
+    let mut times = Vec::new();
+    let mut refused = 0;
+    for r in &results {
+        match r {
+            Ok((id, took)) => {
+                server.delete(id);
+                times.push(*took);
+            }
+            Err(e) => {
+                eprintln!("burst: {e}");
+                refused += 1;
+            }
+        }
+    }
+    format!(
+        "| a burst of {} creates + first command from {CLIENTS} clients, extension on | answered {} of {}, refused {refused} | create → first answer p50 {:.1} ms, p90 {:.1} ms |",
+        CLIENTS * EACH,
+        times.len(),
+        results.len(),
+        median(&times),
+        p90(&times)
+    )
 }
