@@ -651,7 +651,10 @@ fn burst(server: &BenchServer, template: &str) -> String {
                 })
             })
             .collect();
-        clients.into_iter().flat_map(|c| c.join().unwrap()).collect()
+        clients
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect()
     });
     let mut times = Vec::new();
     let mut refused = 0;
