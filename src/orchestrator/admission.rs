@@ -12,8 +12,8 @@
 //! A VM's [`Reservation`] is taken in `supervisor::start` before its supervisor thread
 //! exists and lives on that thread, so it is given back exactly when the VM is gone
 //! (delete, pause, crash, failed start), whatever path ended it. A standby takes its
-//! share when it is made, but its guest loads no memory until a create claims it, so the
-//! claim checks the host's headroom again ([`Admission::admit_claim`]): when headroom is
+//! share when it is made, but holds only what its warm-up touched, and the sandbox it
+//! becomes grows past that, so the claim checks the host's headroom again ([`Admission::admit_claim`]): when headroom is
 //! below the reserve, creates (with or without a standby) and resumes are all refused.
 //!
 //! Every refusal is counted by what was exhausted (`agentenv_admission_refusals_total`).

@@ -98,7 +98,7 @@ pub(crate) trait Machines: Send + Sync {
         spec: vm::RestoreSpec,
     ) -> Result<Box<dyn Machine>, VmError>;
     /// A QEMU process shaped for `record` that waits for its state (a standby):
-    /// [`Machine::load_state`] restores into it later. Its guest has not run.
+    /// [`Machine::warm_up`] loads its state and warms it up later.
     fn standby(
         &self,
         record: &CaptureRecord,

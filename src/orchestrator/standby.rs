@@ -155,6 +155,14 @@ struct Wanted {
     estimate_kib: u64,
 }
 
+impl Wanted {
+    /// A new cap: the target stays within it, and is at least 1 unless the cap is 0.
+    fn set_cap(&mut self, cap: usize) {
+        self.cap = cap;
+        self.target = self.target.min(cap).max(cap.min(1));
+    }
+}
+
 #[derive(Default)]
 struct PoolState {
     ready: Vec<Standby>,
@@ -304,8 +312,7 @@ impl StandbyPool {
                 return;
             }
             if let Some(w) = state.wanted.get_mut(template) {
-                w.cap = cap;
-                w.target = w.target.min(cap);
+                w.set_cap(cap);
                 return;
             }
             state.wanted.insert(
@@ -329,8 +336,7 @@ impl StandbyPool {
     pub fn set_cap(&self, template: &str, cap: Option<u32>) {
         let cap = cap.map_or(self.sizing.per_template, |c| c as usize);
         if let Some(w) = self.state.lock().wanted.get_mut(template) {
-            w.cap = cap;
-            w.target = w.target.min(cap).max(cap.min(1));
+            w.set_cap(cap);
         }
         self.notify(Event::Refill);
     }
