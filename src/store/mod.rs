@@ -126,18 +126,25 @@ pub fn quarantine_dest(state_dir: &Path, path: &Path) -> PathBuf {
 
 /// [`quarantine`] to a destination chosen beforehand with [`quarantine_dest`].
 pub fn quarantine_to(path: &Path, dest: &Path, why: &str) -> Option<PathBuf> {
+    // The reason goes first, so whoever sees the quarantined entry also finds its reason.
+    let reason = dest.with_extension("reason");
     let moved = dest
         .parent()
         .ok_or_else(|| "no quarantine directory".to_string())
         .and_then(|dir| ensure_private_dir(dir).map_err(|e| e.to_string()))
+        .map(|()| {
+            // Best effort: a full disk must not keep the entry from moving.
+            let text = format!("{}: {why}\n", path.display());
+            if let Err(e) = write_atomic(&reason, text.as_bytes(), 0o600) {
+                log::warn!(
+                    "op=recover path={} reason_file_error=\"{e}\"",
+                    reason.display()
+                );
+            }
+        })
         .and_then(|()| fs::rename(path, dest).map_err(|e| e.to_string()));
     match moved {
         Ok(()) => {
-            let _ = write_atomic(
-                &dest.with_extension("reason"),
-                format!("{}: {why}\n", path.display()).as_bytes(),
-                0o600,
-            );
             log::error!(
                 "op=recover path={} result=quarantined to={} reason=\"{why}\"",
                 path.display(),
@@ -146,6 +153,7 @@ pub fn quarantine_to(path: &Path, dest: &Path, why: &str) -> Option<PathBuf> {
             Some(dest.to_path_buf())
         }
         Err(e) => {
+            let _ = fs::remove_file(&reason);
             log::error!(
                 "op=recover path={} result=kept reason=\"{why}\" quarantine_error=\"{e}\"",
                 path.display()
