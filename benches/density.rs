@@ -1,7 +1,9 @@
 //! Density and throughput benchmark (not a timed test) against the real server binary:
 //!
-//! - density: N sandboxes created from one built template, left idle; per guest, the
-//!   QEMU process's PSS and its CPU over a window (utime + stime from /proc), next to N
+//! - density: N sandboxes created from one built template on the server's default config
+//!   (or as many as admission lets in), left idle; per guest, the QEMU process's PSS and
+//!   its CPU over a window (utime + stime from /proc), the host's swap-outs and OOM kills,
+//!   and a pause after 32 MiB dirtied while the N are held; next to N
 //!   QEMU processes restored by hand from a floor template with a RAM file (the raw
 //!   floor: same machine, RAM mapped copy-on-write, the agent connected);
 //! - throughput: C concurrent clients each creating a sandbox from the template, running
@@ -11,7 +13,7 @@
 //!   file of the run is left.
 //!
 //! Needs root and the assets of scripts/setup.sh; run it through `scripts/bench`, which
-//! holds the host lock. `AENV_BENCH_GUESTS` (default 20), `AENV_BENCH_IDLE_SECS` (30),
+//! holds the host lock. `AENV_BENCH_GUESTS` (default 500), `AENV_BENCH_IDLE_SECS` (30),
 //! `AENV_BENCH_CLIENTS` (8) and `AENV_BENCH_THROUGHPUT_SECS` (20) size the runs.
 
 #[path = "common/mod.rs"]
@@ -36,7 +38,7 @@ fn main() {
         return;
     }
     let started = Instant::now();
-    let guests = env_or("AENV_BENCH_GUESTS", 20);
+    let guests = env_or("AENV_BENCH_GUESTS", 500);
     let idle_secs = env_or("AENV_BENCH_IDLE_SECS", 30) as u64;
     let clients = env_or("AENV_BENCH_CLIENTS", 8);
     let throughput_secs = env_or("AENV_BENCH_THROUGHPUT_SECS", 20) as u64;
@@ -69,34 +71,37 @@ fn main() {
     let floor_pids: Vec<u32> = floor_vms.iter().map(|v| v.child.id()).collect();
     std::thread::sleep(Duration::from_secs(5));
     let floor_idle = IdleSample::measure(&floor_pids, idle_secs);
+    let floor_maps = top_mappings(floor_pids[floor_pids.len() / 2], 6);
     drop(floor_vms);
     load.push(load_average());
 
-    // Admission would stop at 4 vCPUs per host core; the density run asks for more.
-    let server = BenchServer::start_with(
-        &assets,
-        &work.join("s"),
-        None,
-        &format!("[admission]\nmax_vcpus = {}\n", guests + clients + 8),
-    );
+    // The server on its default config: admission by headroom, no vCPU cap, the pool on.
+    let server = BenchServer::start(&assets, &work.join("s"), None);
     let template = server.build_template(&image, "bench-density");
 
-    // Density.
+    // Density: hold N idle guests (or as many as admission lets in), then pause one more
+    // sandbox after it dirtied 32 MiB, with the N still held.
+    let vm_before = VmStat::now();
     let mem_before = mem_available_kb();
-    let ids: Vec<String> = (0..guests)
-        .map(|_| server.create_from_template(&template).0)
-        .collect();
-    let pids: Vec<u32> = ids
+    let held = Held::create(&server, &template, guests);
+    let pids: Vec<u32> = held
+        .ids
         .iter()
         .map(|id| qemu_pid_of(id).expect("a running sandbox has a QEMU process"))
         .collect();
     std::thread::sleep(Duration::from_secs(5));
     let ours_idle = IdleSample::measure(&pids, idle_secs);
+    let (hits, misses) = held.split_by_standby(&server, &pids);
+    let ours_maps = top_mappings(pids[pids.len() / 2], 6);
     let mem_used_kb = mem_before.saturating_sub(mem_available_kb());
     load.push(load_average());
-    for id in &ids {
+    let pause_load = load_average();
+    let pauses = pause_under_load(&server, &template, common::runs(15));
+    load.push(load_average());
+    for id in &held.ids {
         server.delete(id);
     }
+    let vm_after = VmStat::now();
 
     // Throughput: one client, then C clients.
     let single = throughput(&server, &template, 1, throughput_secs);
@@ -111,7 +116,18 @@ fn main() {
     let state_left = sandbox_files_left(&work.join("s/state"));
     let host_after = HostObjects::now(&work);
 
-    println!("| measure (per guest, {guests} idle guests) | agentenv | raw floor | ratio | goal |");
+    let held_n = held.ids.len();
+    println!(
+        "Held {held_n} of {guests} idle guests ({} from a warm standby, {} cold restores){}; \
+         creating them took {:.0} s.\n",
+        hits.count,
+        misses.count,
+        held.refused
+            .as_ref()
+            .map_or(String::new(), |r| format!("; then refused: {r}")),
+        held.secs
+    );
+    println!("| measure (per guest, {held_n} idle guests) | agentenv | raw floor | ratio | goal |");
     println!("|---|---|---|---|---|");
     let row = |name: &str, ours: f64, floor: f64, unit: &str, goal: &str| {
         println!(
@@ -119,29 +135,28 @@ fn main() {
             ours / floor
         );
     };
-    let pss_goal = if ours_idle.pss_mib <= 30.0 {
-        "met"
-    } else {
-        "not met"
-    };
-    let cpu_goal = if ours_idle.cpu_percent <= 0.35 {
-        "met"
-    } else {
-        "not met"
-    };
+    let met = |ok: bool| if ok { "met" } else { "not met" };
     row(
         "QEMU PSS",
         ours_idle.pss_mib,
         floor_idle.pss_mib,
         "MiB",
-        &format!("≤ 30 MiB: {pss_goal}"),
+        &format!("≤ 30 MiB: {}", met(ours_idle.pss_mib <= 30.0)),
     );
+    for (name, part) in [("warm standby", &hits), ("cold restore", &misses)] {
+        if part.count > 0 {
+            println!(
+                "| QEMU PSS, the {} guests from a {name} | {:.2} MiB | | | |",
+                part.count, part.pss_mib
+            );
+        }
+    }
     row(
         "QEMU CPU while idle (% of one core)",
         ours_idle.cpu_percent,
         floor_idle.cpu_percent,
         "%",
-        &format!("≤ 0.35 %: {cpu_goal}"),
+        &format!("≤ 0.35 %: {}", met(ours_idle.cpu_percent <= 0.35)),
     );
     row(
         "QEMU wake-ups while idle (threads scheduled in, per second)",
@@ -152,9 +167,24 @@ fn main() {
     );
     println!(
         "| host MemAvailable drop per guest | {:.1} MiB | | | |",
-        mem_used_kb as f64 / 1024.0 / guests as f64
+        mem_used_kb as f64 / 1024.0 / held_n.max(1) as f64
+    );
+    println!(
+        "| host swapped out / OOM kills during the run | {} pages / {} | | | none: {} |",
+        vm_after.pswpout - vm_before.pswpout,
+        vm_after.oom_kill - vm_before.oom_kill,
+        met(vm_after.pswpout == vm_before.pswpout && vm_after.oom_kill == vm_before.oom_kill)
+    );
+    println!(
+        "| pause after 32 MiB dirtied, {held_n} guests idle (load {pause_load:.2}), p50 / p90 | \
+         {:.1} / {:.1} ms | | | p50 ≤ 100 ms: {} |",
+        median(&pauses),
+        common::p90(&pauses),
+        met(median(&pauses) <= 100.0)
     );
     println!();
+    println!("Where a guest's PSS is (MiB; one guest each, its largest mappings):\n");
+    println!("- agentenv: {ours_maps}\n- raw floor: {floor_maps}\n");
     println!(
         "| throughput: create from template + first command (`true`) + delete | per second \
          | create → first answer p50 | CPU-s per round: server + QEMU | CPU-s per round: host \
@@ -193,6 +223,107 @@ fn main() {
         println!("\nServer errors ({}):\n{}", errors.len(), errors.join("\n"));
     }
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// The idle guests a run holds.
+struct Held {
+    ids: Vec<String>,
+    /// The refusal that ended the creates early, if one did.
+    refused: Option<String>,
+    secs: f64,
+}
+
+/// PSS per guest of one part of the held guests.
+struct Part {
+    count: usize,
+    pss_mib: f64,
+}
+
+impl Held {
+    /// Creates up to `n` sandboxes from `template`, one after another, until one is refused.
+    fn create(server: &BenchServer, template: &str, n: usize) -> Held {
+        let t = Instant::now();
+        let mut held = Held {
+            ids: Vec::new(),
+            refused: None,
+            secs: 0.0,
+        };
+        for _ in 0..n {
+            let body = serde_json::json!({"templateID": template, "timeout": 3600});
+            match server.try_call("POST", "/sandboxes", Some(body), 201) {
+                Ok(v) => held.ids.push(v["sandboxID"].as_str().unwrap().to_string()),
+                Err(e) => {
+                    held.refused = Some(e);
+                    break;
+                }
+            }
+        }
+        held.secs = t.elapsed().as_secs_f64();
+        held
+    }
+
+    /// The guests claimed from a warm standby and the others (from the server's log),
+    /// with the PSS of each part (`pids` in the order of `ids`).
+    fn split_by_standby(&self, server: &BenchServer, pids: &[u32]) -> (Part, Part) {
+        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+        let warm: std::collections::HashSet<&str> = log
+            .lines()
+            .filter(|l| {
+                l.contains("op=create_from_capture result=ok") && l.contains("standby=true")
+            })
+            .filter_map(|l| l.split("sandboxId=").nth(1)?.split_whitespace().next())
+            .collect();
+        let part = |want: bool| {
+            let kbs: Vec<u64> = self
+                .ids
+                .iter()
+                .zip(pids)
+                .filter(|(id, _)| warm.contains(id.as_str()) == want)
+                .map(|(_, &p)| pss_kb(p))
+                .collect();
+            Part {
+                count: kbs.len(),
+                pss_mib: kbs.iter().sum::<u64>() as f64 / 1024.0 / kbs.len().max(1) as f64,
+            }
+        };
+        (part(true), part(false))
+    }
+}
+
+/// `runs` times: a new sandbox from `template` dirties 32 MiB of RAM and is paused (the
+/// time of the pause), then deleted.
+fn pause_under_load(server: &BenchServer, template: &str, runs: usize) -> Vec<f64> {
+    (0..runs)
+        .map(|_| {
+            let (id, _) = server.create_from_template(template);
+            server.command(&id, common::DIRTY_32M);
+            std::thread::sleep(Duration::from_millis(500));
+            let took = server.pause(&id);
+            server.delete(&id);
+            took
+        })
+        .collect()
+}
+
+/// The host's swap-outs and OOM kills so far (/proc/vmstat).
+struct VmStat {
+    pswpout: u64,
+    oom_kill: u64,
+}
+
+impl VmStat {
+    fn now() -> VmStat {
+        let text = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+        let get = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        VmStat {
+            pswpout: get("pswpout"),
+            oom_kill: get("oom_kill"),
+        }
+    }
 }
 
 /// PSS, CPU and wake-ups of a set of processes over an idle window, per process.
@@ -242,6 +373,37 @@ fn sched_totals(pid: u32) -> (u64, u64) {
             (ns, slices)
         })
         .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// The mappings of `pid` holding the most PSS: "name (size MiB): PSS MiB", at most `n`.
+fn top_mappings(pid: u32, n: usize) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut maps: Vec<(String, u64, u64)> = Vec::new();
+    for line in text.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            let (a, b) = first.split_once('-').unwrap_or(("0", "0"));
+            let size =
+                u64::from_str_radix(b, 16).unwrap_or(0) - u64::from_str_radix(a, 16).unwrap_or(0);
+            let name = f.nth(4).map_or("[anon]".to_string(), |p| {
+                p.rsplit('/').next().unwrap_or(p).to_string()
+            });
+            maps.push((name, size, 0));
+        } else if let (Some("Pss:"), Some(kb), Some(last)) =
+            (Some(first), f.next(), maps.last_mut())
+        {
+            last.2 = kb.parse().unwrap_or(0);
+        }
+    }
+    maps.sort_by_key(|m| std::cmp::Reverse(m.2));
+    maps.iter()
+        .take(n)
+        .map(|(name, size, pss)| {
+            format!("{name} ({} MiB): {:.1}", size >> 20, *pss as f64 / 1024.0)
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn pss_kb(pid: u32) -> u64 {

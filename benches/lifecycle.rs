@@ -298,10 +298,6 @@ impl UserPath {
     }
 }
 
-/// Writes 32 MiB of non-zero data into guest RAM (tmpfs); rewritten on every run.
-const DIRTY_32M: &str = "head -c 1048576 /dev/urandom > /dev/shm/seed && \
-     for i in $(seq 32); do cat /dev/shm/seed; done > /dev/shm/dirty && rm /dev/shm/seed";
-
 /// One operation: the product's and the floor's times, and the goal.
 struct Row {
     name: &'static str,
@@ -529,7 +525,7 @@ fn product_user_path(
     let resume_hook = extension.since_start_resume(t);
     server.command(&id, "true");
     p.resume_to_first = ms_since(t);
-    server.command(&id, DIRTY_32M);
+    server.command(&id, common::DIRTY_32M);
     p.pause_dirty = server.pause(&id);
     let log = std::fs::read_to_string(&server.log).unwrap_or_default();
     let bytes = log
@@ -564,7 +560,7 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     p.resume = ms_since(t);
     vm.exec("true");
     p.resume_to_first = ms_since(t);
-    vm.exec(DIRTY_32M);
+    vm.exec(common::DIRTY_32M);
     p.pause_dirty = floor_pause_dirty(&mut vm, template, &devices, &pages);
     let bytes = [&devices, &pages]
         .iter()

@@ -44,6 +44,11 @@ pub fn serve(config_path: Option<&Path>) -> Result<(), StartupError> {
         return Err(StartupError(problems.join("\n")));
     }
     let _host_lock = lock_host()?;
+    match sys::process::raise_open_files_limit(1 << 20) {
+        Ok((old, new)) if new > old => log::info!("op=startup open_files_limit={old}->{new}"),
+        Ok((_, new)) => log::info!("op=startup open_files_limit={new}"),
+        Err(e) => log::warn!("op=startup open_files_limit_error=\"{e}\""),
+    }
     crate::vm::qemu::remove_stale_socket_dirs();
     let state_dir = &config.server.state_dir;
     // Everything this process and its children (QEMU, qemu-img, mkfs) create is private:

@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 pub const API_KEY: &str = "bench-key-0123456789abcdefghijklmnopqrstuvwxyz";
 pub const MEMORY_MB: u32 = 256;
 pub const DISK_MB: u32 = 1024;
+
+/// Writes 32 MiB of non-zero data into guest RAM (tmpfs); rewritten on every run.
+pub const DIRTY_32M: &str = "head -c 1048576 /dev/urandom > /dev/shm/seed && \
+     for i in $(seq 32); do cat /dev/shm/seed; done > /dev/shm/dirty && rm /dev/shm/seed";
 /// Wait between operations so the guest is idle when the next one starts.
 pub const SETTLE: Duration = Duration::from_millis(250);
 /// The migration bandwidth cap the product uses for captures (QEMU's default of

@@ -349,12 +349,10 @@ fn the_pool_grows_when_creates_drain_it_and_shrinks_when_idle() {
     eventually("the pool shrank to one", || {
         rig.launcher.standby.of(TEMPLATE) == (1, 1)
     });
-    assert_eq!(
-        rig.vms.alive.load(Ordering::SeqCst),
-        1,
-        "the others are gone"
-    );
-    assert_eq!(rig.sandbox_dirs(), 1);
+    // A discarded standby leaves the pool's count before its VM is killed.
+    eventually("the others are gone", || {
+        rig.vms.alive.load(Ordering::SeqCst) == 1 && rig.sandbox_dirs() == 1
+    });
     rig.launcher.standby.forget(TEMPLATE, &*rig.net);
     rig.assert_nothing_held();
 }

@@ -174,6 +174,31 @@ fn drop_capabilities(caps: &[u32]) -> io::Result<()> {
     Ok(())
 }
 
+/// Raises the soft limit on open files to the hard one (at most `cap`): each sandbox holds
+/// a few descriptors in the server (QMP, agent, console, netns), and a shell's usual soft
+/// limit of 1024 would stop a host at ~120 sandboxes. Returns the (old, new) soft limit.
+pub fn raise_open_files_limit(cap: u64) -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let old = lim.rlim_cur;
+    let new = lim.rlim_max.min(cap).max(old);
+    if new != old {
+        lim.rlim_cur = new;
+        // SAFETY: setrlimit reads the struct we own; a soft limit up to the hard one is
+        // always allowed.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok((old, new))
+}
+
 /// Sends SIGKILL to `child` (unless it already exited) and waits for it, so neither the
 /// process nor a zombie remains. Returns its exit status.
 pub fn kill_and_reap(child: &mut Child) -> io::Result<ExitStatus> {
@@ -230,10 +255,62 @@ pub fn set_process_nice(pid: u32, nice: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the nice value of the calling thread alone and returns the one it had.
+pub fn set_thread_nice(nice: i32) -> io::Result<i32> {
+    // SAFETY: gettid has no effects and cannot fail.
+    let tid = unsafe { libc::gettid() } as libc::id_t;
+    // SAFETY: getpriority/setpriority have no memory effects; -1 is a valid nice value,
+    // so errno is cleared first to tell it from an error.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let old = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if old == -1 && *libc::__errno_location() != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if libc::setpriority(libc::PRIO_PROCESS, tid, nice) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(old)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::process::Stdio;
+
+    #[test]
+    fn a_thread_nice_value_is_set_and_given_back() {
+        let old = std::thread::spawn(|| {
+            let old = set_thread_nice(5).unwrap();
+            assert_eq!(set_thread_nice(old).unwrap(), 5);
+            old
+        })
+        .join()
+        .unwrap();
+        // The spawning thread is untouched.
+        assert_eq!(set_thread_nice(old).unwrap(), old);
+    }
+
+    #[test]
+    fn the_open_files_limit_rises_to_the_hard_limit_within_the_cap() {
+        let limits = || {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes one rlimit into the struct we own.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+            (lim.rlim_cur, lim.rlim_max)
+        };
+        let (_, max) = limits();
+        // A cap below the current soft limit never lowers it.
+        let (old, new) = raise_open_files_limit(0).unwrap();
+        assert_eq!(old, new);
+        let (_, new) = raise_open_files_limit(u64::MAX).unwrap();
+        assert_eq!(new, max);
+        assert_eq!(limits(), (max, max));
+    }
 
     #[test]
     fn every_thread_of_a_child_gets_the_nice_value() {
