@@ -436,6 +436,14 @@ pub struct SandboxConfig {
     pub idempotency_window_secs: u64,
     /// How long a request for a paused sandbox with `autoResume` waits for its resume.
     pub auto_resume_wait_secs: u64,
+    /// Most paused sandboxes whose QEMU is kept stopped in memory, so their resume runs
+    /// in the same process (its translated code kept); 0 turns it off.
+    pub keep_paused_vms: u64,
+    /// Memory (PSS) all kept paused VMs together may hold, in MiB.
+    pub keep_paused_memory_mb: u64,
+    /// How long a paused sandbox's VM is kept before it is let go (its resume then
+    /// restores into a new QEMU), in seconds.
+    pub keep_paused_secs: u64,
 }
 
 /// What a sandbox's timeout does (E2B's `lifecycle.onTimeout`).
@@ -721,6 +729,13 @@ impl Config {
                 sb.auto_resume_wait_secs,
                 1..=600,
             ),
+            ("sandbox.keep_paused_vms", sb.keep_paused_vms, 0..=4096),
+            (
+                "sandbox.keep_paused_memory_mb",
+                sb.keep_paused_memory_mb,
+                0..=1_048_576,
+            ),
+            ("sandbox.keep_paused_secs", sb.keep_paused_secs, 1..=86_400),
         ] {
             if !range.contains(&value) {
                 return invalid(

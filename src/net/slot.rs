@@ -206,6 +206,10 @@ impl Slot {
     /// outbound` says (per-sandbox `allowInternetAccess: false`, network.md §5.4). The
     /// slot is destroyed rather than pooled when released.
     pub fn deny_outbound(&mut self) -> Result<(), NetError> {
+        // A kept paused VM's slot comes back with its rule in place.
+        if self.outbound_denied {
+            return Ok(());
+        }
         let parts = self.parts.as_mut().expect("slot parts present until drop");
         parts.dedicated = true;
         self.outbound_denied = true;

@@ -71,6 +71,7 @@ pub(crate) fn spawn(registry: Weak<Registry>) {
     let backoff = Arc::new(Mutex::new(Backoff::default()));
     super::registry::spawn_periodic("expiry", registry, CHECK_INTERVAL, move |registry| {
         tick(registry, &backoff, SystemTime::now());
+        registry.sweep_kept();
     });
 }
 

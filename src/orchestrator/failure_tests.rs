@@ -76,10 +76,10 @@ impl Rig {
             Accel::Tcg { tsc_khz: 1_000_000 },
         );
         adjust(&mut launcher);
-        let registry = Arc::new(Registry::new(
-            state_dir.join("sandboxes"),
-            Default::default(),
-        ));
+        let registry = Arc::new(
+            Registry::new(state_dir.join("sandboxes"), Default::default())
+                .with_kept(launcher.kept.clone()),
+        );
         Rig {
             state_dir,
             registry,
@@ -613,4 +613,65 @@ fn a_guest_that_breaks_the_agent_protocol_gets_its_sandbox_marked_and_others_run
     delete(&rig.registry, "sb-bad", StopReason::Delete).unwrap();
     delete(&rig.registry, "sb-good", StopReason::Delete).unwrap();
     rig.assert_nothing_held();
+}
+
+#[test]
+fn kept_paused_vms_are_bounded_and_let_go_on_delete_and_shutdown() {
+    use super::kept::{KeptLimits, KeptPool};
+    let limits = Limits {
+        memory_mb: Some(4096),
+        vcpus: Some(16),
+    };
+    let rig = Rig::build(limits, |l| {
+        let one = KeptLimits {
+            max_vms: 1,
+            memory_kib: 1 << 30,
+            max_age: Duration::from_secs(600),
+        };
+        l.kept = Arc::new(KeptPool::new(one, l.net.clone()));
+    });
+    rig.script(Script {
+        keep_paused: true,
+        ..Script::default()
+    });
+    let alive = || rig.vms.alive.load(Ordering::SeqCst);
+    let slots =
+        || rig.net.acquired.load(Ordering::SeqCst) - rig.net.released.load(Ordering::SeqCst);
+    rig.running("sb-1");
+    rig.running("sb-2");
+    operations::pause(&rig.registry, "sb-1", StopReason::Pause, PauseRequest::FULL).unwrap();
+    // Paused as ever (stop hook sent, record written), but the VM and its slot stay.
+    assert_eq!(alive(), 2);
+    assert_eq!(slots(), 2);
+    assert_eq!(rig.launcher.kept.held().0, 1);
+    assert!(rig
+        .hooks
+        .calls()
+        .iter()
+        .any(|c| c.starts_with("stop sb-1 ")));
+    assert_eq!(
+        rig.registry.entry("sb-1").unwrap().state(),
+        SandboxState::Paused
+    );
+    // One kept at most: the older goes when the next is kept.
+    operations::pause(&rig.registry, "sb-2", StopReason::Pause, PauseRequest::FULL).unwrap();
+    eventually("the older kept VM to go", || alive() == 1);
+    assert_eq!(slots(), 1);
+    assert_eq!(rig.launcher.kept.held().0, 1);
+    assert_eq!(rig.admission.in_use().0, 128, "the kept VM holds its share");
+    // A delete of the paused sandbox takes its kept VM, slot and share.
+    delete(&rig.registry, "sb-2", StopReason::Delete).unwrap();
+    assert_eq!(alive(), 0);
+    assert_eq!(slots(), 0);
+    assert_eq!(rig.launcher.kept.held().0, 0);
+    assert_eq!(rig.admission.in_use(), (0, 0));
+    // The shutdown lets every kept VM go, and its own pauses keep none.
+    rig.running("sb-3");
+    rig.running("sb-4");
+    operations::pause(&rig.registry, "sb-3", StopReason::Pause, PauseRequest::FULL).unwrap();
+    assert_eq!(alive(), 2);
+    shutdown_all(&rig.registry, &rig.launcher);
+    assert_eq!(alive(), 0);
+    assert_eq!(slots(), 0);
+    assert_eq!(rig.launcher.kept.held().0, 0);
 }

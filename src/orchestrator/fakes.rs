@@ -221,6 +221,8 @@ pub(crate) mod sides {
         pub fail_sync: bool,
         /// A standby's warm-up takes this long.
         pub warm_up_ms: u64,
+        /// A pause leaves the VM stopped in place ([`Machine::pause_keeping`]).
+        pub keep_paused: bool,
     }
 
     /// Fake VMs: no process, a fake guest agent on a socket pair.
@@ -331,6 +333,18 @@ pub(crate) mod sides {
             let record = capture_into(dir, &self.run_dir)?;
             self.quit = true;
             Ok((record, CaptureStats::default()))
+        }
+        fn pause_keeping(
+            &mut self,
+            dir: &Path,
+        ) -> Result<(CaptureRecord, CaptureStats, bool), VmError> {
+            let keep = self.script.keep_paused;
+            let (record, stats) = self.pause(dir)?;
+            self.quit = !keep;
+            Ok((record, stats, keep))
+        }
+        fn move_onto_layer(&mut self, _: &Path) -> Result<(), VmError> {
+            Ok(())
         }
         fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError> {
             self.pauses.fetch_add(1, Ordering::SeqCst);

@@ -19,6 +19,7 @@ mod failure_tests;
 pub(crate) mod fakes;
 pub mod guest_metrics;
 mod idempotency;
+mod kept;
 mod lifecycle;
 mod metrics;
 mod operations;
@@ -210,7 +211,8 @@ impl Orchestrator {
         );
         let launcher = Arc::new(launcher);
         standby::StandbyPool::start(&launcher, sandboxes_dir.clone());
-        let registry = Arc::new(Registry::new(sandboxes_dir, sandboxes));
+        let registry =
+            Arc::new(Registry::new(sandboxes_dir, sandboxes).with_kept(launcher.kept.clone()));
         expiry::spawn(Arc::downgrade(&registry));
         if config.metrics.sandbox_interval_secs > 0 {
             guest_metrics::spawn(
@@ -855,6 +857,8 @@ impl Orchestrator {
 /// final stop attempts and the network teardown.
 fn shutdown_all(registry: &Arc<Registry>, launcher: &Launcher) {
     launcher.standby.drain(&*launcher.net);
+    // The shutdown pauses quit their VMs: a kept one would die with the server.
+    launcher.kept.drain();
     let ids = registry.ids();
     log::info!("op=shutdown sandboxes={}", ids.len());
     let handles: Vec<_> = ids
@@ -894,7 +898,8 @@ pub(crate) fn delete(registry: &Registry, id: &str, reason: StopReason) -> Resul
     if let Some(runtime) = runtime {
         runtime.delete(reason);
     } else {
-        // Paused: no VM, no slot, no hook (its stop was sent when it paused).
+        // Paused: no VM but maybe a kept one, no hook (its stop was sent when it paused).
+        registry.discard_kept(id);
         let dir = registry.dir(id);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!("sandboxId={id} op=delete path={} error={e}", dir.display());

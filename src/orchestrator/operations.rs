@@ -422,40 +422,85 @@ fn restore_paused(
     } else {
         Vec::new()
     };
+    let settings = ResumeSettings {
+        params,
+        internet_access,
+        egress,
+        resources,
+        volumes,
+        remount,
+    };
+    let kept = !capture.filesystem_only;
+    if !kept {
+        // Booted from its disk: a kept VM is not used.
+        launcher.kept.discard(id, "boots_from_disk");
+    }
+    let first = start_on_new_layer(registry, launcher, id, &capture, &settings, kept);
+    match first {
+        // A kept VM that could not run on: the capture is whole, restore it.
+        Err((e, true)) if !matches!(e, OrchError::Hook(_)) => {
+            log::warn!("sandboxId={id} op=resume kept=true error=\"{e}\" retry=restore");
+            start_on_new_layer(registry, launcher, id, &capture, &settings, false)
+                .map_err(|(e, _)| e)
+        }
+        other => other.map_err(|(e, _)| e),
+    }
+}
+
+/// What a resume starts with, from the paused sandbox's settings.
+struct ResumeSettings {
+    params: serde_json::Value,
+    internet_access: bool,
+    egress: crate::net::EgressRules,
+    resources: super::settings::Resources,
+    volumes: Vec<super::settings::VolumeMount>,
+    /// The volumes to mount once the guest answers (a booted guest has none mounted).
+    remount: Vec<super::settings::VolumeMount>,
+}
+
+/// A new top layer, then the start sequence onto it: into the sandbox's kept VM when
+/// `use_kept` and it has one, else a restore into a new QEMU. On failure the paused
+/// sandbox is unchanged (the new layer is removed, its files are kept); the error says
+/// whether a kept VM was used.
+fn start_on_new_layer(
+    registry: &Arc<Registry>,
+    launcher: &Arc<Launcher>,
+    id: &str,
+    capture: &CaptureRecord,
+    settings: &ResumeSettings,
+    use_kept: bool,
+) -> Result<(RuntimeHandle, SlotFacts), (OrchError, bool)> {
     let dir = registry.dir(id);
     // Guest writes after the restore go to a new top layer, so a failed resume leaves the
     // paused disk exactly as captured.
-    let chain = vm::disk_chain(&capture.disk)
-        .map_err(|e| OrchError::vm("reading the paused disk's chain", e))?;
-    let top = vm::next_layer_path(&dir, &chain);
-    let backing = capture
-        .disk
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    vm::create_layer(&top, &backing, capture.disk_virtual_bytes)
-        .map_err(|e| OrchError::vm("adding the resumed disk's layer", e))?;
+    let top = new_top_layer(&dir, capture).map_err(|e| (e, false))?;
+    let kept = if use_kept {
+        take_kept(launcher, id, &top)
+    } else {
+        None
+    };
+    let used_kept = kept.is_some();
     let started = start::start(
         launcher,
         StartRequest {
             id: id.to_string(),
             run_dir: RunDir::existing(dir),
             kind: StartKind::Restore {
-                record: Box::new(capture),
+                record: Box::new(capture.clone()),
                 disk: top.clone(),
-                standby: None,
+                standby: kept,
             },
-            resources,
-            internet_access,
-            egress,
-            params,
+            resources: settings.resources,
+            internet_access: settings.internet_access,
+            egress: settings.egress.clone(),
+            params: settings.params.clone(),
             failed_reason: StopReason::StartFailed,
             watch: Registered::watch(registry, id),
-            volumes,
+            volumes: settings.volumes.clone(),
         },
     );
     let mounted = started.and_then(|s| {
-        match super::volumes::mount_volumes(&s.runtime.agent, &remount) {
+        match super::volumes::mount_volumes(&s.runtime.agent, &settings.remount) {
             Ok(()) => Ok(s),
             Err(e) => {
                 // The resume fails as a whole: the VM goes, the sandbox stays paused.
@@ -468,9 +513,50 @@ fn restore_paused(
         Ok(s) => Ok((s.runtime, (s.host_ip, s.netns_path))),
         Err(e) => {
             let _ = std::fs::remove_file(&top);
-            Err(e)
+            Err((e, used_kept))
         }
     }
+}
+
+/// An empty layer over the paused disk, for the resumed guest's writes.
+fn new_top_layer(dir: &std::path::Path, capture: &CaptureRecord) -> Result<PathBuf, OrchError> {
+    let chain = vm::disk_chain(&capture.disk)
+        .map_err(|e| OrchError::vm("reading the paused disk's chain", e))?;
+    let top = vm::next_layer_path(dir, &chain);
+    let backing = capture
+        .disk
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    vm::create_layer(&top, &backing, capture.disk_virtual_bytes)
+        .map_err(|e| OrchError::vm("adding the resumed disk's layer", e))?;
+    Ok(top)
+}
+
+/// The paused sandbox's kept VM ([`super::kept`]), moved onto the resume's layer `top`
+/// (its vCPUs still stopped), as a prepared VM for the start sequence.
+fn take_kept(
+    launcher: &Launcher,
+    id: &str,
+    top: &std::path::Path,
+) -> Option<Box<super::standby::Prepared>> {
+    let mut kept = launcher.kept.take(id)?;
+    if let Err(e) = kept.vm.move_onto_layer(top) {
+        launcher
+            .kept
+            .let_go(id, kept, &format!("cannot move onto the new layer: {e}"));
+        return None;
+    }
+    log::info!("sandboxId={id} op=resume kept=true");
+    Some(Box::new(super::standby::Prepared {
+        warm: super::standby::WarmVm {
+            vm: kept.vm,
+            agent: None,
+            parent: kept.parent,
+        },
+        slot: kept.slot,
+        reservation: kept.reservation,
+    }))
 }
 
 /// `POST …/snapshots` (custom-extension.md §5.7): capture in place, no hooks, same instance.

@@ -19,6 +19,8 @@ pub(crate) struct Registry {
     /// What the 404 of a sandbox whose VM died says (the death, where its files went);
     /// the same bounded id → text map as the tokens.
     deaths: Recent<String>,
+    /// Paused sandboxes' kept VMs, let go when their sandbox is deleted.
+    kept: Option<Arc<super::kept::KeptPool>>,
 }
 
 impl Registry {
@@ -28,6 +30,27 @@ impl Registry {
             sandboxes: RwLock::new(sandboxes),
             gone: Recent::default(),
             deaths: Recent::default(),
+            kept: None,
+        }
+    }
+
+    /// The registry whose paused sandboxes may have their VMs in `kept`.
+    pub fn with_kept(mut self, kept: Arc<super::kept::KeptPool>) -> Registry {
+        self.kept = Some(kept);
+        self
+    }
+
+    /// Lets go of paused sandbox `id`'s kept VM, if any (before its files are removed).
+    pub fn discard_kept(&self, id: &str) {
+        if let Some(kept) = &self.kept {
+            kept.discard(id, "deleted");
+        }
+    }
+
+    /// Lets go of the VMs kept too long.
+    pub fn sweep_kept(&self) {
+        if let Some(kept) = &self.kept {
+            kept.sweep();
         }
     }
 

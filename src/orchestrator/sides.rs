@@ -123,6 +123,17 @@ pub(crate) trait Machine: Send {
     fn kill(self: Box<Self>);
     /// Captures the VM into `dir` and makes it quit (custom-extension.md §5.4).
     fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError>;
+    /// [`Machine::pause`], but a pause that can leave the VM stopped in place does
+    /// (true: it can run on, [`super::kept`]); the capture is whole either way.
+    fn pause_keeping(
+        &mut self,
+        dir: &Path,
+    ) -> Result<(CaptureRecord, CaptureStats, bool), VmError> {
+        self.pause(dir)
+            .map(|(record, stats)| (record, stats, false))
+    }
+    /// On a kept VM: its writes go to the new empty layer `next` over its disk.
+    fn move_onto_layer(&mut self, next: &Path) -> Result<(), VmError>;
     /// Stops the VM and makes it quit, keeping only its disk (a filesystem-only pause;
     /// the guest synced its filesystems before).
     fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError>;
@@ -217,6 +228,15 @@ impl Machine for Vm {
     }
     fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
         Vm::pause(self, dir)
+    }
+    fn pause_keeping(
+        &mut self,
+        dir: &Path,
+    ) -> Result<(CaptureRecord, CaptureStats, bool), VmError> {
+        Vm::pause_keeping(self, dir)
+    }
+    fn move_onto_layer(&mut self, next: &Path) -> Result<(), VmError> {
+        Vm::move_onto_layer(self, next)
     }
     fn pause_to_disk(&mut self) -> Result<CaptureRecord, VmError> {
         Vm::pause_to_disk(self)

@@ -72,11 +72,14 @@ fn clone_disk(record: &CaptureRecord, dir: &Path) -> Result<PathBuf, VmError> {
     crate::vm::create_clone_disk(&record.disk_layers, dir)
 }
 
-/// A warmed-up VM whose vCPUs are stopped and whose carrier is down, and the open
-/// connection to its guest agent.
+/// A VM ready to run whose vCPUs are stopped and whose carrier is down: a warmed-up
+/// standby with its open agent connection, or a kept paused VM ([`super::kept`]), whose
+/// agent is connected anew and whose parent thread waits for it (`parent`). Fields drop
+/// in order: the VM goes before its parent thread may end.
 pub(crate) struct WarmVm {
     pub vm: Box<dyn Machine>,
-    pub agent: AgentClient,
+    pub agent: Option<AgentClient>,
+    pub parent: Option<super::kept::ParentGuard>,
 }
 
 /// What a claimed standby brings into the start sequence: the warm VM, the slot it runs
@@ -642,7 +645,11 @@ fn make(
     let scratch = super::warmup::scratch_path(&id);
     let warm = vm.and_then(
         |mut vm| match vm.warm_up(record, launcher.warm_up, &scratch) {
-            Ok(agent) => Ok(WarmVm { vm, agent }),
+            Ok(agent) => Ok(WarmVm {
+                vm,
+                agent: Some(agent),
+                parent: None,
+            }),
             Err(e) => {
                 log::warn!(
                     "sandboxId={id} op=standby result=error console_tail=\n{}",

@@ -62,6 +62,8 @@ pub(crate) struct Launcher {
     pub volumes_dir: PathBuf,
     /// The state dir's filesystem: what a guest paused on it being full waits for.
     pub disk: Arc<StateDisk>,
+    /// Paused sandboxes' stopped VMs, kept for their resume.
+    pub kept: Arc<super::kept::KeptPool>,
 }
 
 impl Launcher {
@@ -92,7 +94,12 @@ impl Launcher {
                 kernel_args.push(format!("agentenv.dns={dns}"));
             }
         }
+        let kept = Arc::new(super::kept::KeptPool::new(
+            super::kept::KeptLimits::from_config(&config.sandbox),
+            net.clone(),
+        ));
         Launcher {
+            kept,
             net,
             hooks,
             machines,
@@ -179,7 +186,7 @@ fn start_context(id: &str, slot: &Slot, params: &Value) -> StartContext {
 }
 
 /// Reserves a VM's memory and vCPUs. When admission is full, standbys give their shares
-/// back first: the standby pool never makes a start fail.
+/// back first, then kept paused VMs: neither ever makes a start fail.
 fn reserve(launcher: &Launcher, resources: Resources) -> Result<Reservation, OrchError> {
     loop {
         match launcher
@@ -187,23 +194,40 @@ fn reserve(launcher: &Launcher, resources: Resources) -> Result<Reservation, Orc
             .reserve(resources.memory_mb, resources.cpu_count)
         {
             Ok(r) => return Ok(r),
-            Err(e) if !launcher.standby.evict_one(&*launcher.net) => return Err(e),
+            Err(e) if !evict_one(launcher) => return Err(e),
             Err(_) => {}
         }
     }
 }
 
-/// The sandbox's outbound choice and policy, on its new slot (network.md §5.4, §5.6).
+/// Gives back what one standby, else one kept paused VM, holds. False: nothing to give.
+fn evict_one(launcher: &Launcher) -> bool {
+    launcher.standby.evict_one(&*launcher.net) || launcher.kept.evict_one()
+}
+
+/// A network slot; when none is left, kept paused VMs give theirs back first.
+fn acquire_slot(launcher: &Launcher) -> Result<Slot, OrchError> {
+    loop {
+        match launcher.net.acquire() {
+            Ok(slot) => return Ok(slot),
+            Err(e) if !launcher.kept.evict_one() => return Err(e.into()),
+            Err(_) => {}
+        }
+    }
+}
+
+/// The sandbox's outbound choice and policy, on its slot (network.md §5.4, §5.6); a
+/// `reused` slot (a kept paused VM's) gets the policy replaced, whatever it is now.
 fn apply_egress(
     launcher: &Launcher,
     slot: &mut Slot,
-    internet_access: bool,
+    (internet_access, reused): (bool, bool),
     egress: &crate::net::EgressRules,
 ) -> Result<(), crate::net::NetError> {
     if launcher.outbound && !internet_access {
         slot.deny_outbound()?;
     }
-    if *egress != crate::net::EgressRules::default() {
+    if reused || *egress != crate::net::EgressRules::default() {
         slot.set_egress(egress)?;
     }
     Ok(())
@@ -229,8 +253,9 @@ pub(crate) fn start(launcher: &Arc<Launcher>, req: StartRequest) -> Result<Start
         StartKind::Restore { standby, .. } => standby.take(),
         StartKind::Fresh { .. } => None,
     };
+    let reused = standby.as_ref().is_some_and(|p| p.warm.agent.is_none());
     let (reservation, mut slot, prepared) = take_resources(launcher, standby, resources)?;
-    if let Err(e) = apply_egress(launcher, &mut slot, internet_access, &egress) {
+    if let Err(e) = apply_egress(launcher, &mut slot, (internet_access, reused), &egress) {
         if let Some(warm) = prepared {
             warm.vm.kill();
         }
@@ -291,7 +316,7 @@ fn take_resources(
 ) -> Result<Held, OrchError> {
     let Some(p) = standby else {
         let reservation = reserve(launcher, resources)?;
-        return Ok((reservation, launcher.net.acquire()?, None));
+        return Ok((reservation, acquire_slot(launcher)?, None));
     };
     let Prepared {
         warm,

@@ -395,6 +395,17 @@ struct Runtime {
     nfs: Option<crate::volume::nfs::NfsServer>,
     /// Set while QEMU keeps the VM paused on a full state disk ([`watch_disk`]).
     io_paused: bool,
+    /// The thread the VM's process dies with. Last: dropped after the VM.
+    parent: Parent,
+}
+
+/// Which thread a VM's process dies with (`PR_SET_PDEATHSIG`).
+enum Parent {
+    /// This supervisor thread started it.
+    Here,
+    /// Another thread: a kept VM's first supervisor, waiting on the guard, or the
+    /// standby pool's worker (no guard: it lives as long as the server).
+    Elsewhere(Option<super::kept::ParentGuard>),
 }
 
 impl Runtime {
@@ -436,7 +447,10 @@ fn supervise(
                 runtime.teardown(&launcher, StopReason::StartFailed);
                 return;
             }
-            run(&launcher, &id, runtime, ops);
+            if let Some(child) = run(&launcher, &id, runtime, ops) {
+                // Its VM was kept paused: it dies with this thread.
+                super::kept::wait_for_child(child);
+            }
         }
         Err(e) => {
             let _ = launch_reply.send(Err(e));
@@ -503,7 +517,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
     if let Err(e) = hooked {
         // Rollback before the answer (custom-extension.md §7.3): the VM never ran; stop
         // for the attempt, then the slot; the reservation goes on return.
-        if let Ok((vm, _)) = spawned {
+        if let Ok((vm, ..)) = spawned {
             vm.kill();
         }
         drop(nfs);
@@ -511,7 +525,7 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         launcher.net.release(slot);
         return Err(e.into());
     }
-    let (mut vm, warm_agent) = match spawned {
+    let (mut vm, warm_agent, parent) = match spawned {
         Ok(spawned) => spawned,
         Err(e) => {
             drop(nfs);
@@ -536,11 +550,13 @@ fn launch(launcher: &Launcher, plan: StartPlan) -> Result<(Runtime, Arc<AgentCli
         agent: None,
         nfs,
         io_paused: false,
+        parent,
     };
     let times = (launched, prepared, Instant::now());
     let how = Readiness {
         restored,
         booted,
+        carrier_down: !matches!(runtime.parent, Parent::Here),
         warm_agent,
     };
     wait_ready(launcher, &id, runtime, how, times)
@@ -602,15 +618,18 @@ impl HookWait {
     }
 }
 
+/// A VM, its agent connection when it comes with one, and its parent thread.
+type Spawned = (Box<dyn Machine>, Option<AgentClient>, Parent);
+
 /// Boots the VM or restores it into a new QEMU; a claimed standby's warm VM comes with
-/// its agent connection.
+/// its agent connection, a kept paused VM with its parent's guard.
 fn spawn_vm(
     launcher: &Launcher,
     launch: Launch,
     run_dir: &Path,
     netns: std::fs::File,
     resources: super::settings::Resources,
-) -> Result<(Box<dyn Machine>, Option<AgentClient>), vm::VmError> {
+) -> Result<Spawned, vm::VmError> {
     match launch {
         Launch::Cold {
             kernel_args,
@@ -635,7 +654,7 @@ fn spawn_vm(
         Launch::Restore {
             prepared: Some(warm),
             ..
-        } => return Ok((warm.vm, Some(warm.agent))),
+        } => return Ok((warm.vm, warm.agent, Parent::Elsewhere(warm.parent))),
         Launch::Restore { record, disk, .. } => {
             let spec = RestoreSpec {
                 disk,
@@ -644,7 +663,7 @@ fn spawn_vm(
             launcher.machines.restore(&record, spec)
         }
     }
-    .map(|vm| (vm, None))
+    .map(|vm| (vm, None, Parent::Here))
 }
 
 /// How a started VM becomes ready.
@@ -652,7 +671,9 @@ struct Readiness {
     restored: bool,
     /// Its kernel booted (a cold start, or a filesystem-only capture).
     booted: bool,
-    /// A warm standby's agent connection: its carrier goes up once the clock is set.
+    /// A prepared VM (a standby's, a kept one): its carrier goes up once the clock is set.
+    carrier_down: bool,
+    /// A warm standby's agent connection.
     warm_agent: Option<AgentClient>,
 }
 
@@ -669,9 +690,9 @@ fn wait_ready(
     let Readiness {
         restored,
         booted,
+        carrier_down,
         warm_agent,
     } = how;
-    let warm = warm_agent.is_some();
     let timeout = Duration::from_secs(launcher.vm.ready_timeout_secs);
     let mut clock = Duration::ZERO;
     let ready = match warm_agent {
@@ -707,7 +728,7 @@ fn wait_ready(
         }
     };
     // No guest traffic before start-resume succeeded and the clock is right.
-    if warm {
+    if carrier_down {
         if let Err(e) = runtime.vm.set_carrier(true) {
             log::error!("sandboxId={id} op=launch step=carrier_up error=\"{e}\"");
             runtime.teardown(launcher, StopReason::StartFailed);
@@ -732,8 +753,14 @@ fn wait_ready(
     Ok((runtime, agent))
 }
 
-/// The supervisor's loop: lifecycle operations in order, and a watch on the VM.
-fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
+/// The supervisor's loop: lifecycle operations in order, and a watch on the VM. Returns
+/// what to wait on when the VM this thread started was kept paused.
+fn run(
+    launcher: &Launcher,
+    id: &str,
+    mut runtime: Runtime,
+    ops: Receiver<Op>,
+) -> Option<Receiver<()>> {
     loop {
         match ops.recv_timeout(VM_WATCH_INTERVAL) {
             Ok(Op::Delete { reason, reply }) => {
@@ -747,7 +774,7 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                     }
                 }
                 let _ = reply.send(());
-                return;
+                return None;
             }
             Ok(Op::Pause {
                 reason,
@@ -756,13 +783,13 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 commit,
                 reply,
             }) => match pause(launcher, id, runtime, (reason, request), &dir, commit) {
-                (Some(rt), outcome) => {
-                    runtime = rt;
+                (AfterPause::RunsOn(rt), outcome) => {
+                    runtime = *rt;
                     let _ = reply.send(outcome);
                 }
-                (None, outcome) => {
+                (AfterPause::Ended(child), outcome) => {
                     let _ = reply.send(outcome);
-                    return;
+                    return child;
                 }
             },
             Ok(Op::Snapshot { dir, run_on, reply }) => {
@@ -777,13 +804,13 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                         runtime.run_dir.keep();
                         runtime.teardown(launcher, StopReason::Failure);
                         let _ = reply.send(Err(PauseOutcome::Stopped(e)));
-                        return;
+                        return None;
                     }
                     Err(gone) => {
                         runtime.run_dir.arm();
                         runtime.teardown(launcher, StopReason::Failure);
                         let _ = reply.send(Err(gone));
-                        return;
+                        return None;
                     }
                 }
             }
@@ -816,14 +843,14 @@ fn run(launcher: &Launcher, id: &str, mut runtime: Runtime, ops: Receiver<Op>) {
                 watch_agent(id, &mut runtime);
                 if let Some(exit) = runtime.vm.exited() {
                     vm_died(launcher, id, runtime, exit);
-                    return;
+                    return None;
                 }
                 watch_disk(launcher, id, &mut runtime);
             }
             Err(RecvTimeoutError::Disconnected) => {
                 runtime.run_dir.arm();
                 runtime.teardown(launcher, StopReason::Failure);
-                return;
+                return None;
             }
         }
     }
@@ -913,8 +940,16 @@ fn watch_agent(id: &str, runtime: &mut Runtime) {
     runtime.watch.guest_violated(&violation);
 }
 
-/// custom-extension.md §5.4 steps 3–6: capture in place and quit, commit the paused record, stop hook,
-/// slot released. Returns the runtime when the VM runs on.
+/// What is left of a supervisor's runtime after a pause.
+enum AfterPause {
+    /// The VM runs on.
+    RunsOn(Box<Runtime>),
+    /// The runtime ended; with what to wait on when this thread's VM was kept.
+    Ended(Option<Receiver<()>>),
+}
+
+/// custom-extension.md §5.4 steps 3–6: capture in place and quit (or keep the VM,
+/// [`super::kept`]), commit the paused record, stop hook, slot released (or kept).
 fn pause(
     launcher: &Launcher,
     id: &str,
@@ -922,10 +957,10 @@ fn pause(
     (reason, request): (StopReason, PauseRequest),
     dir: &Path,
     commit: PauseCommit,
-) -> (Option<Runtime>, PauseOutcome) {
+) -> (AfterPause, PauseOutcome) {
     if let Err(e) = ready_for_pause(&runtime, request) {
         return (
-            Some(runtime),
+            AfterPause::RunsOn(Box::new(runtime)),
             PauseOutcome::RanOn(OrchError::Unavailable(format!(
                 "sandbox {id} was not paused and runs on: its guest agent did not answer ({e}); \
                  {}",
@@ -939,17 +974,20 @@ fn pause(
         );
     }
     let boost = PauseBoost::raise(&mut *runtime.vm, id);
+    // Volumes' NFS server is not kept: its guest's mounts would wait on a dead server.
+    let may_keep = launcher.kept.enabled() && runtime.nfs.is_none();
     let captured = match request.mode {
-        PauseMode::Full => runtime.vm.pause(dir),
+        PauseMode::Full if may_keep => runtime.vm.pause_keeping(dir),
+        PauseMode::Full => runtime.vm.pause(dir).map(|(r, s)| (r, s, false)),
         PauseMode::Filesystem => runtime
             .vm
             .pause_to_disk()
-            .map(|record| (record, vm::CaptureStats::default())),
+            .map(|record| (record, vm::CaptureStats::default(), false)),
     };
     match captured {
-        Ok((record, stats)) => {
+        Ok((record, stats, kept)) => {
             log::info!(
-                "sandboxId={id} op=pause frozenMs={} totalMs={} stateBytes={}",
+                "sandboxId={id} op=pause frozenMs={} totalMs={} stateBytes={} kept={kept}",
                 stats.frozen_ms,
                 stats.total_ms,
                 stats.state_bytes
@@ -964,13 +1002,23 @@ fn pause(
                 std::thread::sleep(delay);
                 committed = commit(&record);
             }
-            boost.lower(None);
-            // The VM has quit and its capture is complete either way: it is kept.
+            boost.lower(kept.then_some(&mut *runtime.vm));
+            // The capture is complete either way: the run dir is kept.
             runtime.run_dir.keep();
-            runtime.teardown(launcher, reason);
             match committed {
-                Ok(()) => (None, PauseOutcome::Paused),
-                Err(e) => (None, PauseOutcome::Uncommitted(Box::new(record), e)),
+                Ok(()) if kept => {
+                    let child = keep_paused(launcher, id, runtime, reason);
+                    (AfterPause::Ended(child), PauseOutcome::Paused)
+                }
+                Ok(()) => {
+                    runtime.teardown(launcher, reason);
+                    (AfterPause::Ended(None), PauseOutcome::Paused)
+                }
+                Err(e) => {
+                    runtime.teardown(launcher, reason);
+                    let outcome = PauseOutcome::Uncommitted(Box::new(record), e);
+                    (AfterPause::Ended(None), outcome)
+                }
             }
         }
         Err(e) => {
@@ -978,16 +1026,69 @@ fn pause(
             let e = OrchError::vm("pause failed", e);
             if runtime.vm.exited().is_none() && runtime.vm.resume_vcpus().is_ok() {
                 let _ = std::fs::remove_dir_all(dir);
-                (Some(runtime), PauseOutcome::RanOn(e))
+                (
+                    AfterPause::RunsOn(Box::new(runtime)),
+                    PauseOutcome::RanOn(e),
+                )
             } else {
                 // The guest's disk is all that is left of it: kept, with the rest of the
                 // run dir, for the caller to quarantine.
                 runtime.run_dir.keep();
                 runtime.teardown(launcher, StopReason::Failure);
-                (None, PauseOutcome::Stopped(e))
+                (AfterPause::Ended(None), PauseOutcome::Stopped(e))
             }
         }
     }
+}
+
+/// A committed pause whose VM stayed stopped in place: the pause ends as any other for
+/// the guest and the extension (agent channel closed, stop hook), but the VM, with its
+/// carrier down, and its slot and share go to the kept pool instead of away. Returns what
+/// this thread must wait on when it is the VM's parent.
+fn keep_paused(
+    launcher: &Launcher,
+    id: &str,
+    mut runtime: Runtime,
+    reason: StopReason,
+) -> Option<Receiver<()>> {
+    runtime.io_continued(launcher);
+    if let Some(agent) = runtime.agent.take() {
+        agent.close();
+    }
+    if let Err(e) = runtime.vm.set_carrier(false) {
+        log::warn!("sandboxId={id} op=keep_paused step=carrier_down error=\"{e}\"");
+        runtime.teardown(launcher, reason);
+        return None;
+    }
+    let held_kib = runtime.vm.memory_kib().unwrap_or(0);
+    if let Some(instance) = runtime.instance.take() {
+        launcher.hooks.stop(instance, reason);
+    }
+    let Some(slot) = runtime.slot.take() else {
+        runtime.teardown(launcher, reason);
+        return None;
+    };
+    let Runtime {
+        vm,
+        _reservation: reservation,
+        parent,
+        ..
+    } = runtime;
+    let (guard, child) = match parent {
+        Parent::Here => {
+            let (guard, child) = super::kept::parent_guard();
+            (Some(guard), Some(child))
+        }
+        Parent::Elsewhere(guard) => (guard, None),
+    };
+    let kept = super::kept::KeptVm {
+        vm,
+        slot,
+        reservation,
+        parent: guard,
+    };
+    launcher.kept.park(id, kept, held_kib);
+    child
 }
 
 /// Nice value of a pausing VM and of its supervisor thread while the guest is frozen.

@@ -250,6 +250,7 @@ impl Observer<'_> {
         self.orch.shared.operations.render(&mut out);
         self.orch.shared.launcher.hooks.render_metrics(&mut out);
         self.orch.shared.launcher.standby.render_metrics(&mut out);
+        self.orch.shared.launcher.kept.render_metrics(&mut out);
         self.orch.shared.launcher.deaths.render(&mut out);
         let slots = self.orch.shared.launcher.net.stats();
         metrics::render_state_gauge(

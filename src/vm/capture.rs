@@ -561,9 +561,34 @@ impl Vm {
     /// A VM whose RAM is a template's file mapped copy-on-write saves only the device state
     /// and the pages changed since the template ([`super::dirty`]).
     pub fn pause(&mut self, dir: &Path) -> Result<(CaptureRecord, CaptureStats), VmError> {
+        self.pause_then(dir, true)
+            .map(|(record, stats, _)| (record, stats))
+    }
+
+    /// [`Vm::pause`], but a dirty-only pause leaves QEMU running with its vCPUs stopped
+    /// (its disk active and flushed, its RAM and translated code in place), so the same
+    /// process can run on later ([`Vm::move_onto_layer`], [`Vm::resume_vcpus`]); the
+    /// capture is whole either way. Returns whether QEMU was kept; a full capture always
+    /// quits (its migration leaves the disk inactive).
+    pub fn pause_keeping(
+        &mut self,
+        dir: &Path,
+    ) -> Result<(CaptureRecord, CaptureStats, bool), VmError> {
+        self.pause_then(dir, false)
+    }
+
+    fn pause_then(
+        &mut self,
+        dir: &Path,
+        quit: bool,
+    ) -> Result<(CaptureRecord, CaptureStats, bool), VmError> {
         if self.can_pause_dirty() {
             match self.link_base() {
-                Ok(base) => return self.pause_dirty(dir, base),
+                Ok(base) => {
+                    return self
+                        .pause_dirty(dir, base, quit)
+                        .map(|(record, stats)| (record, stats, !quit))
+                }
                 Err(e) => log::warn!(
                     "vm op=pause pid={} dirty=false reason=\"cannot link the template's files: {e}\"",
                     self.pid()
@@ -573,7 +598,22 @@ impl Vm {
         let started = Instant::now();
         let (record, mut stats) = self.capture_then(dir, DiskCapture::InPlace, true)?;
         stats.total_ms = ms(started.elapsed());
-        Ok((record, stats))
+        Ok((record, stats, false))
+    }
+
+    /// On a VM kept by [`Vm::pause_keeping`] (vCPUs stopped): its writes go to `next`, a
+    /// new empty layer over its disk, which is left as the pause captured it.
+    pub fn move_onto_layer(&mut self, next: &Path) -> Result<(), VmError> {
+        let frozen = self.disk_node().to_string();
+        let under = self.facts.disk_backing.clone();
+        self.switch_disk(next)?;
+        if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
+            log::warn!(
+                "vm op=move_onto_layer pid={} node={frozen} revoke_writes_error={e}",
+                self.pid()
+            );
+        }
+        Ok(())
     }
 
     /// A filesystem-only pause: the vCPUs stop, QEMU quits (flushing and closing the disk),

@@ -454,6 +454,7 @@ impl Vm {
         &mut self,
         dir: &Path,
         base: Base,
+        quit: bool,
     ) -> Result<(CaptureRecord, CaptureStats), VmError> {
         let started = Instant::now();
         crate::store::ensure_private_dir(dir).map_err(|e| {
@@ -480,8 +481,12 @@ impl Vm {
             ..CaptureStats::default()
         };
         let stopped = Instant::now();
-        let result =
-            self.pause_dirty_stopped(&base, &partial(&state), &partial(&pages), &mut stats);
+        let result = self.pause_dirty_stopped(
+            &base,
+            (&partial(&state), &partial(&pages)),
+            quit,
+            &mut stats,
+        );
         let (index, copied) = match result {
             Ok(done) => done,
             Err(e) => {
@@ -547,13 +552,14 @@ impl Vm {
         Ok((record, stats))
     }
 
-    /// The part with the vCPUs stopped: device state and pages written, QEMU gone, both
-    /// files fsync'd.
+    /// The part with the vCPUs stopped: device state and pages written, QEMU gone (or,
+    /// without `quit`, left stopped with its disk active: it can run on), both files
+    /// fsync'd.
     fn pause_dirty_stopped(
         &mut self,
         base: &Base,
-        state: &Path,
-        pages: &Path,
+        (state, pages): (&Path, &Path),
+        quit: bool,
         stats: &mut CaptureStats,
     ) -> Result<(PagesIndex, PagesStats), VmError> {
         let t = Instant::now();
@@ -583,7 +589,7 @@ impl Vm {
                     .map_err(|e| VmError::io(format!("cannot fsync {}", pages.display()), e))?;
                 Ok::<u64, VmError>(state_len)
             });
-            let quitted = self.quit();
+            let quitted = if quit { self.quit() } else { Ok(()) };
             let written = sync.join().unwrap_or_else(|_| {
                 Err(VmError::io(
                     "cannot write the device state",

@@ -1,0 +1,147 @@
+//! End-to-end: kept paused VMs against the real server, QEMU and an extension. A pause of
+//! a template's clone keeps its QEMU (stopped, its capture whole on disk, its stop hook
+//! sent); the resume runs in that same process after start-resume, with the guest's
+//! files and processes as they were; a VM beyond `keep_paused_vms` is let go and its
+//! sandbox resumes from disk into a new QEMU; a delete while kept and a server stop leave
+//! no QEMU, namespace, link or file. One template build is the only cold boot.
+
+mod common;
+
+use common::extension::Extension;
+use common::*;
+use std::time::Duration;
+
+/// A sample of `GET /metrics` (`name{labels}` as written there), 0 when absent.
+fn metric(s: &Server, sample: &str) -> u64 {
+    let text = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+const KEPT: &str = "agentenv_kept_paused_vms ";
+const RESUMED_KEPT: &str = "agentenv_kept_paused_resumes_total{kept=\"true\"}";
+const RESUMED_COLD: &str = "agentenv_kept_paused_resumes_total{kept=\"false\"}";
+
+fn pause(s: &Server, id: &str) {
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_eq!(code, 204, "{v}\n{}", s.log());
+}
+
+fn resume(s: &Server, id: &str) {
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/resume"), None);
+    assert_eq!(code, 201, "{v}\n{}", s.log());
+}
+
+fn one_qemu(id: &str) -> u32 {
+    let pids = qemu_processes_with(id);
+    assert_eq!(pids.len(), 1, "one QEMU of {id}: {pids:?}");
+    pids[0]
+}
+
+fn stops_of(ext: &Extension, id: &str) -> usize {
+    ext.requests_for("stop")
+        .iter()
+        .filter(|r| r.sandbox_id() == id)
+        .count()
+}
+
+#[test]
+fn a_paused_clone_keeps_its_vm_and_resumes_in_it() {
+    let _serial = serial();
+    let ext = Extension::start();
+    let mut s = Server::start(&format!(
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n\n[templates]\n\
+         standby_per_template = 0\n\n[sandbox]\nkeep_paused_vms = 1\n",
+        ext.url()
+    ));
+    build_template(&s, "kp");
+    let id = s.create_from("kp", 120);
+    let pid = one_qemu(&id);
+    let sleeper = sh(
+        &s,
+        &id,
+        "echo kept > /root/mark; sleep 1000 >/dev/null 2>&1 & echo $!",
+    );
+    let alive = format!("cat /root/mark; kill -0 {} && echo running", sleeper.trim());
+
+    // The pause: its capture is written and its stop hook sent, and the QEMU stays.
+    pause(&s, &id);
+    assert_eq!(qemu_processes_with(&id), [pid], "the paused VM is kept");
+    assert_eq!(metric(&s, KEPT), 1);
+    assert!(
+        s.state_dir
+            .join("sandboxes")
+            .join(&id)
+            .join("paused/state.bin")
+            .exists(),
+        "the capture is written"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || stops_of(&ext, &id) == 1),
+        "the pause sent its stop hook"
+    );
+
+    // The resume: start-resume, then the same process runs on, as it was.
+    let resumes_before = ext.requests_for("start-resume").len();
+    resume(&s, &id);
+    assert_eq!(ext.requests_for("start-resume").len(), resumes_before + 1);
+    assert_eq!(qemu_processes_with(&id), [pid], "resumed in the kept VM");
+    assert_eq!(metric(&s, RESUMED_KEPT), 1);
+    assert_eq!(metric(&s, KEPT), 0);
+    assert_eq!(sh(&s, &id, &alive), "kept\nrunning\n");
+    // The guest's clock was set on the resume: it is within a few seconds of the host's.
+    let guest: i64 = sh(&s, &id, "date +%s").trim().parse().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!((guest - now).abs() <= 5, "guest clock {guest}, host {now}");
+
+    // Two paused, one kept: the older VM is let go, its sandbox resumes from disk.
+    pause(&s, &id);
+    let other = s.create_from("kp", 120);
+    sh(&s, &other, "echo other > /root/mark");
+    pause(&s, &other);
+    assert!(
+        wait_until(Duration::from_secs(10), || qemu_processes_with(&id)
+            .is_empty()),
+        "the oldest kept VM is let go"
+    );
+    assert_eq!(metric(&s, KEPT), 1);
+    let other_pid = one_qemu(&other);
+    resume(&s, &id);
+    assert_ne!(one_qemu(&id), pid, "restored into a new QEMU");
+    assert_eq!(metric(&s, RESUMED_COLD), 1);
+    assert_eq!(sh(&s, &id, &alive), "kept\nrunning\n");
+
+    // A delete of a paused sandbox whose VM is kept takes the VM and everything else.
+    assert_eq!(qemu_processes_with(&other), [other_pid]);
+    assert_eq!(
+        s.call("DELETE", &format!("/sandboxes/{other}"), None).0,
+        204
+    );
+    assert!(qemu_processes_with(&other).is_empty());
+    assert!(!s.state_dir.join("sandboxes").join(&other).exists());
+    assert_eq!(metric(&s, KEPT), 0);
+
+    // A server stop pauses the running one for good: nothing is kept past it.
+    s.stop();
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    // Every instance a start hook opened was stopped.
+    for r in ext.requests_for("start-resume") {
+        assert!(
+            ext.requests_for("stop")
+                .iter()
+                .any(|st| st.instance_id() == r.instance_id()),
+            "no stop for {}",
+            r.sandbox_id()
+        );
+    }
+}
