@@ -528,6 +528,14 @@ impl Vm {
             false,
         );
         record.format = DIRTY_FORMAT;
+        if !quit {
+            // A kept VM's next pause links from the sandbox's own links: the template's
+            // files may be gone by then.
+            if let Some(memory) = self.facts.memory.as_mut() {
+                memory.path = base.memory.clone();
+            }
+            self.facts.base_state = Some(base.state.clone());
+        }
         record.memory_file = Some(base.memory);
         record.dirty = Some(DirtyMemory {
             base_state: base.state,
