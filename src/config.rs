@@ -446,6 +446,42 @@ pub struct SandboxConfig {
     pub keep_paused_secs: u64,
 }
 
+/// `[sandbox]`'s numeric settings within their ranges.
+fn validate_sandbox(sb: &SandboxConfig) -> Result<(), ConfigError> {
+    for (key, value, range) in [
+        (
+            "sandbox.e2b_default_timeout_secs",
+            sb.e2b_default_timeout_secs,
+            0..=31_536_000,
+        ),
+        (
+            "sandbox.idempotency_window_secs",
+            sb.idempotency_window_secs,
+            1..=86_400,
+        ),
+        (
+            "sandbox.auto_resume_wait_secs",
+            sb.auto_resume_wait_secs,
+            1..=600,
+        ),
+        ("sandbox.keep_paused_vms", sb.keep_paused_vms, 0..=4096),
+        (
+            "sandbox.keep_paused_memory_mb",
+            sb.keep_paused_memory_mb,
+            0..=1_048_576,
+        ),
+        ("sandbox.keep_paused_secs", sb.keep_paused_secs, 1..=86_400),
+    ] {
+        if !range.contains(&value) {
+            return Err(ConfigError::Invalid {
+                key,
+                message: format!("must be within {}..={}", range.start(), range.end()),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// What a sandbox's timeout does (E2B's `lifecycle.onTimeout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -712,38 +748,7 @@ impl Config {
         if !(1..=86400).contains(&self.api.tunnel_idle_secs) {
             return invalid("api.tunnel_idle_secs", "must be in 1..=86400".into());
         }
-        let sb = &self.sandbox;
-        for (key, value, range) in [
-            (
-                "sandbox.e2b_default_timeout_secs",
-                sb.e2b_default_timeout_secs,
-                0..=31_536_000,
-            ),
-            (
-                "sandbox.idempotency_window_secs",
-                sb.idempotency_window_secs,
-                1..=86_400,
-            ),
-            (
-                "sandbox.auto_resume_wait_secs",
-                sb.auto_resume_wait_secs,
-                1..=600,
-            ),
-            ("sandbox.keep_paused_vms", sb.keep_paused_vms, 0..=4096),
-            (
-                "sandbox.keep_paused_memory_mb",
-                sb.keep_paused_memory_mb,
-                0..=1_048_576,
-            ),
-            ("sandbox.keep_paused_secs", sb.keep_paused_secs, 1..=86_400),
-        ] {
-            if !range.contains(&value) {
-                return invalid(
-                    key,
-                    format!("must be within {}..={}", range.start(), range.end()),
-                );
-            }
-        }
+        validate_sandbox(&self.sandbox)?;
         if self.images.connect_timeout_secs == 0 {
             return invalid("images.connect_timeout_secs", "must be at least 1".into());
         }

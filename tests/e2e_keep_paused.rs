@@ -11,18 +11,6 @@ use common::extension::Extension;
 use common::*;
 use std::time::Duration;
 
-/// A sample of `GET /metrics` (`name{labels}` as written there), 0 when absent.
-fn metric(s: &Server, sample: &str) -> u64 {
-    let text = ureq::get(&format!("{}/metrics", s.base))
-        .call()
-        .unwrap()
-        .into_string()
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 const KEPT: &str = "agentenv_kept_paused_vms ";
 const RESUMED_KEPT: &str = "agentenv_kept_paused_resumes_total{kept=\"true\"}";
 const RESUMED_COLD: &str = "agentenv_kept_paused_resumes_total{kept=\"false\"}";

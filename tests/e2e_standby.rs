@@ -12,18 +12,6 @@ use common::*;
 use serde_json::json;
 use std::time::Duration;
 
-/// A sample of `GET /metrics` (`name{labels}` as written there), 0 when absent.
-fn metric(s: &Server, sample: &str) -> u64 {
-    let text = ureq::get(&format!("{}/metrics", s.base))
-        .call()
-        .unwrap()
-        .into_string()
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 const READY: &str = "agentenv_standby_vms{state=\"ready\"}";
 const HITS: &str = "agentenv_standby_claims_total{result=\"hit\"}";
 const MISSES: &str = "agentenv_standby_claims_total{result=\"miss\"}";

@@ -420,15 +420,7 @@ impl Vm {
         stats.stop_ms = ms(t.elapsed());
         if let Some(next) = next_top {
             let t = Instant::now();
-            let frozen = self.disk_node().to_string();
-            let under = self.facts.disk_backing.clone();
-            self.switch_disk(next)?;
-            if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
-                log::warn!(
-                    "vm op=capture pid={} node={frozen} revoke_writes_error={e}",
-                    self.pid()
-                );
-            }
+            self.freeze_onto(next, "capture")?;
             stats.disk_switch_ms = ms(t.elapsed());
         }
         let t = Instant::now();
@@ -493,17 +485,8 @@ impl Vm {
             .to_string();
         disk::create_layer(&next, &backing, chain.virtual_size)?;
         self.qmp().stop()?;
-        let frozen = self.disk_node().to_string();
-        let under = self.facts.disk_backing.clone();
-        let switched = self.switch_disk(&next);
-        if switched.is_ok() {
-            if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
-                log::warn!(
-                    "vm op=freeze_disk pid={} node={frozen} revoke_writes_error={e}",
-                    self.pid()
-                );
-            }
-        } else {
+        let switched = self.freeze_onto(&next, "freeze_disk");
+        if switched.is_err() {
             let _ = std::fs::remove_file(&next);
         }
         let resumed = self.qmp().cont();
@@ -604,12 +587,18 @@ impl Vm {
     /// On a VM kept by [`Vm::pause_keeping`] (vCPUs stopped): its writes go to `next`, a
     /// new empty layer over its disk, which is left as the pause captured it.
     pub fn move_onto_layer(&mut self, next: &Path) -> Result<(), VmError> {
+        self.freeze_onto(next, "move_onto_layer")
+    }
+
+    /// With the vCPUs stopped: the guest's writes go to the new empty layer `next`, and
+    /// QEMU loses write access to the layer under it (logged for `op` when it cannot).
+    fn freeze_onto(&mut self, next: &Path, op: &str) -> Result<(), VmError> {
         let frozen = self.disk_node().to_string();
         let under = self.facts.disk_backing.clone();
         self.switch_disk(next)?;
         if let Err(e) = self.revoke_frozen_writes(&frozen, under) {
             log::warn!(
-                "vm op=move_onto_layer pid={} node={frozen} revoke_writes_error={e}",
+                "vm op={op} pid={} node={frozen} revoke_writes_error={e}",
                 self.pid()
             );
         }

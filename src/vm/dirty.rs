@@ -420,6 +420,22 @@ pub(crate) struct Base {
     state: PathBuf,
 }
 
+/// What an earlier, unfinished capture into the same files left.
+fn remove_stale_capture(state: &Path, pages: &Path) -> Result<(), VmError> {
+    let partial = |p: &Path| p.with_extension("partial");
+    let stale = [
+        state.to_path_buf(),
+        pages.to_path_buf(),
+        partial(state),
+        partial(pages),
+        devices_path(&partial(state)),
+    ];
+    for stale in &stale {
+        remove_if_present(stale)?;
+    }
+    Ok(())
+}
+
 impl Vm {
     /// Whether a pause can be dirty-only: the RAM is a template's file mapped privately
     /// and the VM was restored from that template's state (or from a dirty capture).
@@ -446,6 +462,15 @@ impl Vm {
         Ok(Base { memory, state })
     }
 
+    /// A kept VM's next pause links from the sandbox's own links of the template's
+    /// files: the template may be gone by then.
+    fn follow_links(&mut self, base: &Base) {
+        if let Some(memory) = self.facts.memory.as_mut() {
+            memory.path = base.memory.clone();
+        }
+        self.facts.base_state = Some(base.state.clone());
+    }
+
     /// Dirty-only pause (see the module docs) into `dir`: device state in `state.bin`,
     /// the pages changed since the template in `memory.pages`; QEMU quits. On an error
     /// before QEMU was told to quit, the VM is left stopped and no file of the capture is
@@ -466,15 +491,7 @@ impl Vm {
         let state = dir.join(super::capture::STATE_FILE);
         let pages = dir.join(PAGES_FILE);
         let partial = |p: &Path| p.with_extension("partial");
-        let stale = [
-            state.clone(),
-            pages.clone(),
-            partial(&state),
-            partial(&pages),
-        ];
-        for stale in stale.iter().chain([&devices_path(&partial(&state))]) {
-            remove_if_present(stale)?;
-        }
+        remove_stale_capture(&state, &pages)?;
         let chain = super::disk::disk_chain(&self.facts.disk)?;
         let mut stats = CaptureStats {
             prepare_ms: ms(started.elapsed()),
@@ -529,12 +546,7 @@ impl Vm {
         );
         record.format = DIRTY_FORMAT;
         if !quit {
-            // A kept VM's next pause links from the sandbox's own links: the template's
-            // files may be gone by then.
-            if let Some(memory) = self.facts.memory.as_mut() {
-                memory.path = base.memory.clone();
-            }
-            self.facts.base_state = Some(base.state.clone());
+            self.follow_links(&base);
         }
         record.memory_file = Some(base.memory);
         record.dirty = Some(DirtyMemory {

@@ -403,6 +403,19 @@ static ONE_SERVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// One agentenv server on a host at a time: tests of one binary that start a server take
 /// turns through this, even when the harness runs them in parallel.
+/// A sample of `GET /metrics` (`name{labels}` as written there), 0 when absent.
+#[allow(dead_code)]
+pub fn metric(s: &Server, sample: &str) -> u64 {
+    let text = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_SERVER.lock().unwrap_or_else(|e| e.into_inner())
 }
