@@ -182,6 +182,21 @@ fn main() {
         common::p90(&pauses),
         met(median(&pauses) <= 100.0)
     );
+    let (steps, n) = common::log_medians(
+        &log,
+        "dirty=true",
+        &[
+            "stopMs",
+            "migrateMs",
+            "scanMs",
+            "copyMs",
+            "syncMs",
+            "frozenMs",
+            "totalMs",
+        ],
+    );
+    let (pause_ms, _) = common::log_medians(&log, "op=pause result=ok", &["ms"]);
+    println!("| that pause's steps in the server's log (medians of {n}) | {steps}; whole pause {pause_ms} | | | |");
     println!();
     println!("Where a guest's PSS is (MiB; one guest each, its largest mappings):\n");
     println!("- agentenv: {ours_maps}\n- raw floor: {floor_maps}\n");

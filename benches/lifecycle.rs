@@ -21,8 +21,8 @@ use agentenv::config::AccelMode;
 use agentenv::image::ImageStore;
 use agentenv::vm;
 use common::{
-    field, load_average, median, ms_since, p90, BenchServer, Floor, FloorTemplate, FloorVm,
-    HookExtension, DISK_MB, MEMORY_MB, SETTLE, STEP_TIMEOUT,
+    field, load_average, log_medians, median, ms_since, p90, BenchServer, Floor, FloorTemplate,
+    FloorVm, HookExtension, DISK_MB, MEMORY_MB, SETTLE, STEP_TIMEOUT,
 };
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -467,37 +467,20 @@ fn print_breakdown(log: &str) {
     println!("| step | fields | n |");
     println!("|---|---|---|");
     for (name, marker, keys) in entries {
-        let lines: Vec<&str> = log.lines().filter(|l| l.contains(marker)).collect();
-        let fields: Vec<String> = keys
-            .iter()
-            .map(|key| {
-                let values: Vec<f64> = lines.iter().filter_map(|l| field(l, key)).collect();
-                format!("{key} {:.0}", median(&values))
-            })
-            .collect();
-        println!("| {name} | {} | {} |", fields.join(", "), lines.len());
+        let (fields, n) = log_medians(log, marker, keys);
+        println!("| {name} | {fields} | {n} |");
     }
     println!(
         "| creates from a built template that took a standby | {} of {} | |",
         log.matches("standby=true").count(),
         log.matches("op=create_from_capture result=ok").count()
     );
-    let captures: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("vm op=capture"))
-        .collect();
-    let parts: Vec<String> = ["stopMs", "diskMs", "migrateMs", "syncMs", "totalMs"]
-        .iter()
-        .map(|key| {
-            let values: Vec<f64> = captures.iter().filter_map(|l| field(l, key)).collect();
-            format!("{key} {:.0}", median(&values))
-        })
-        .collect();
-    println!(
-        "| capture (pause and snapshot), VM steps | {} | {} |",
-        parts.join(", "),
-        captures.len()
+    let (parts, n) = log_medians(
+        log,
+        "vm op=capture",
+        &["stopMs", "diskMs", "migrateMs", "syncMs", "totalMs"],
     );
+    println!("| capture (pause and snapshot), VM steps | {parts} | {n} |");
 }
 
 /// The path users take on a new sandbox from `template`: create, first and next

@@ -411,6 +411,8 @@ pub struct VmConfig {
     pub ready_timeout_secs: u64,
     pub qemu_binary: PathBuf,
     pub assets_dir: PathBuf,
+    /// A pause's frozen window runs in the real-time class (else at nice -10).
+    pub pause_realtime: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -38,6 +38,23 @@ fn stops_of(ext: &Extension, id: &str) -> usize {
         .count()
 }
 
+/// (name, scheduling policy, nice) of every thread of `pid` (/proc/<pid>/task/*/stat:
+/// fields 19 and 41 after the parenthesised name).
+fn scheduling_of(pid: u32) -> Vec<(String, i64, i64)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("QEMU's threads");
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            // `rest` starts at field 3.
+            let field = |n: usize| rest[n - 3].parse::<i64>().ok();
+            Some((comm.trim().to_string(), field(41)?, field(19)?))
+        })
+        .collect()
+}
+
 #[test]
 fn a_paused_clone_keeps_its_vm_and_resumes_in_it() {
     let _serial = serial();
@@ -57,9 +74,29 @@ fn a_paused_clone_keeps_its_vm_and_resumes_in_it() {
     );
     let alive = format!("cat /root/mark; kill -0 {} && echo running", sleeper.trim());
 
-    // The pause: its capture is written and its stop hook sent, and the QEMU stays.
+    // The pause: its capture is written and its stop hook sent, and the QEMU stays. Its
+    // frozen window ran in the real-time class ([vm] pause_realtime), and the kept QEMU
+    // is back in the normal class, every thread, before any guest code runs again.
     pause(&s, &id);
     assert_eq!(qemu_processes_with(&id), [pid], "the paused VM is kept");
+    let log = s.log();
+    assert!(
+        log.contains(&format!("sandboxId={id} op=pause frozenMs"))
+            && log.contains("priority=realtime")
+            && !log.contains("step=priority"),
+        "{log}"
+    );
+    let threads = scheduling_of(pid);
+    assert!(
+        threads.iter().any(|(comm, ..)| comm.starts_with("CPU 0/")),
+        "named vCPU threads: {threads:?}"
+    );
+    assert!(
+        threads
+            .iter()
+            .all(|(_, policy, nice)| (*policy, *nice) == (0, 0)),
+        "every thread back to SCHED_OTHER, nice 0: {threads:?}"
+    );
     assert_eq!(metric(&s, KEPT), 1);
     assert!(
         s.state_dir

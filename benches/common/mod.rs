@@ -84,6 +84,20 @@ pub fn field(line: &str, key: &str) -> Option<f64> {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
 }
 
+/// The medians of `keys` over the log lines that contain `marker` ("key 12, key 3"),
+/// and how many lines there were.
+pub fn log_medians(log: &str, marker: &str, keys: &[&str]) -> (String, usize) {
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(marker)).collect();
+    let fields: Vec<String> = keys
+        .iter()
+        .map(|key| {
+            let values: Vec<f64> = lines.iter().filter_map(|l| field(l, key)).collect();
+            format!("{key} {:.0}", median(&values))
+        })
+        .collect();
+    (fields.join(", "), lines.len())
+}
+
 /// A local custom extension: 200 `{}` to every hook; counts start-resume.
 pub struct HookExtension {
     pub url: String,

@@ -79,7 +79,9 @@ pub(crate) mod sides {
     use crate::net::{FakeHost, NetError, Slot, SlotManager, SlotStats};
     use crate::orchestrator::sides::{Extension, Machine, Machines, Network};
     use crate::orchestrator::warmup::{WarmUp, WarmUpError};
-    use crate::vm::{CaptureRecord, CaptureStats, DiskCapture, MemoryFile, VmError, VmSpec};
+    use crate::vm::{
+        CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Priority, VmError, VmSpec,
+    };
     use parking_lot::Mutex;
     use serde_json::Value;
     use std::os::unix::net::UnixStream;
@@ -412,7 +414,7 @@ pub(crate) mod sides {
         fn set_carrier(&mut self, _: bool) -> Result<(), VmError> {
             Ok(())
         }
-        fn set_nice(&mut self, _: i32) -> Result<(), VmError> {
+        fn set_priority(&mut self, _: Priority) -> Result<(), VmError> {
             Ok(())
         }
         fn memory_kib(&mut self) -> Option<u64> {

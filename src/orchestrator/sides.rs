@@ -10,7 +10,8 @@ use crate::agent::{AgentClient, AgentError};
 use crate::hooks::{HookClient, HookError, Instance, StartContext, StopReason};
 use crate::net::{NetError, Slot, SlotManager, SlotStats};
 use crate::vm::{
-    self, CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Vm, VmError, VmExit, VmSpec,
+    self, CaptureRecord, CaptureStats, DiskCapture, MemoryFile, Priority, Vm, VmError, VmExit,
+    VmSpec,
 };
 use serde_json::Value;
 use std::path::Path;
@@ -161,8 +162,8 @@ pub(crate) trait Machine: Send {
     fn stop_vcpus(&mut self) -> Result<(), VmError>;
     /// Puts the NIC's carrier up or down.
     fn set_carrier(&mut self, up: bool) -> Result<(), VmError>;
-    /// The nice value of every thread of the VM process.
-    fn set_nice(&mut self, nice: i32) -> Result<(), VmError>;
+    /// The scheduling priority of every thread of the VM process.
+    fn set_priority(&mut self, priority: Priority) -> Result<(), VmError>;
     /// What the VM process holds of the host's memory (PSS, KiB), if known.
     fn memory_kib(&mut self) -> Option<u64> {
         None
@@ -273,8 +274,8 @@ impl Machine for Vm {
     fn set_carrier(&mut self, up: bool) -> Result<(), VmError> {
         Vm::set_carrier(self, up)
     }
-    fn set_nice(&mut self, nice: i32) -> Result<(), VmError> {
-        Vm::set_nice(self, nice)
+    fn set_priority(&mut self, priority: Priority) -> Result<(), VmError> {
+        Vm::set_priority(self, priority)
     }
     fn memory_kib(&mut self) -> Option<u64> {
         crate::sys::procmem::pss_kib(self.pid())

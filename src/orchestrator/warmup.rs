@@ -16,7 +16,7 @@
 
 use super::sides::Machine;
 use crate::agent::{AgentClient, AgentError, ExecRequest};
-use crate::vm::{CaptureRecord, VmError};
+use crate::vm::{CaptureRecord, Priority, VmError};
 use std::fmt;
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -82,7 +82,7 @@ pub(crate) fn warm(
     w: WarmUp,
     scratch: &str,
 ) -> Result<AgentClient, WarmUpError> {
-    vm.set_nice(WARMUP_NICE)
+    vm.set_priority(Priority::Nice(WARMUP_NICE))
         .map_err(vm_step("lowering QEMU's priority"))?;
     vm.load_state(record)
         .map_err(vm_step("loading the template's state"))?;
@@ -95,7 +95,7 @@ pub(crate) fn warm(
     crate::vm::sync_guest_clock(&agent).map_err(agent_step("setting the guest clock"))?;
     run_calls(&agent, w.envd_port, scratch)?;
     vm.stop_vcpus().map_err(vm_step("stopping the vCPUs"))?;
-    vm.set_nice(0)
+    vm.set_priority(Priority::Nice(0))
         .map_err(vm_step("restoring QEMU's priority"))?;
     Ok(agent)
 }

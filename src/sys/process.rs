@@ -230,48 +230,97 @@ pub fn kill_pid(pid: u32) -> io::Result<()> {
     Ok(())
 }
 
-/// Sets the nice value of every thread of `pid` (a child of this server): Linux keeps a
-/// nice value per thread, so `setpriority` on the pid alone would leave QEMU's vCPU
-/// threads as they were. Threads that end meanwhile are skipped.
-pub fn set_process_nice(pid: u32, nice: i32) -> io::Result<()> {
+/// How the kernel schedules a thread: the normal class at a nice value, or the
+/// round-robin real-time class at a priority (1..=99), which runs before every thread of
+/// the normal class (the kernel's real-time throttling still leaves those 5 %).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Priority {
+    Nice(i32),
+    Realtime(i32),
+}
+
+/// Sets the priority of every thread of `pid` (a child of this server) but those whose
+/// name starts with `except`: Linux keeps one per thread, so setting it on the pid alone
+/// would leave QEMU's other threads as they were. Threads that end meanwhile are skipped.
+pub fn set_process_priority(pid: u32, priority: Priority, except: Option<&str>) -> io::Result<()> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))?;
     for task in tasks.flatten() {
         let Some(tid) = task
             .file_name()
             .to_str()
-            .and_then(|t| t.parse::<libc::id_t>().ok())
+            .and_then(|t| t.parse::<libc::pid_t>().ok())
         else {
             continue;
         };
-        // SAFETY: setpriority has no memory effects; `tid` names a thread of our child.
-        let ret = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
-        if ret < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::ESRCH) {
-                return Err(e);
+        if let Some(prefix) = except {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.starts_with(prefix) {
+                continue;
             }
+        }
+        match set_task_priority(tid, priority) {
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            other => other?,
         }
     }
     Ok(())
 }
 
-/// Sets the nice value of the calling thread alone and returns the one it had.
-pub fn set_thread_nice(nice: i32) -> io::Result<i32> {
+/// Sets the priority of the calling thread alone and returns the one it had.
+pub fn set_thread_priority(priority: Priority) -> io::Result<Priority> {
     // SAFETY: gettid has no effects and cannot fail.
-    let tid = unsafe { libc::gettid() } as libc::id_t;
-    // SAFETY: getpriority/setpriority have no memory effects; -1 is a valid nice value,
-    // so errno is cleared first to tell it from an error.
+    let tid = unsafe { libc::gettid() };
+    let old = task_priority(tid)?;
+    set_task_priority(tid, priority)?;
+    Ok(old)
+}
+
+fn task_priority(tid: libc::pid_t) -> io::Result<Priority> {
+    // SAFETY: sched_getscheduler has no memory effects.
+    let policy = unsafe { libc::sched_getscheduler(tid) };
+    if policy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if policy == libc::SCHED_RR || policy == libc::SCHED_FIFO {
+        let mut param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_getparam writes one sched_param into the struct we own.
+        if unsafe { libc::sched_getparam(tid, &mut param) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        return Ok(Priority::Realtime(param.sched_priority));
+    }
+    // SAFETY: getpriority has no memory effects; -1 is a valid nice value, so errno is
+    // cleared first to tell it from an error.
     unsafe {
         *libc::__errno_location() = 0;
-        let old = libc::getpriority(libc::PRIO_PROCESS, tid);
-        if old == -1 && *libc::__errno_location() != 0 {
+        let nice = libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t);
+        if nice == -1 && *libc::__errno_location() != 0 {
             return Err(io::Error::last_os_error());
         }
-        if libc::setpriority(libc::PRIO_PROCESS, tid, nice) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(old)
+        Ok(Priority::Nice(nice))
     }
+}
+
+fn set_task_priority(tid: libc::pid_t, priority: Priority) -> io::Result<()> {
+    let (policy, level) = match priority {
+        Priority::Nice(_) => (libc::SCHED_OTHER, 0),
+        Priority::Realtime(level) => (libc::SCHED_RR, level),
+    };
+    let param = libc::sched_param {
+        sched_priority: level,
+    };
+    // SAFETY: sched_setscheduler reads one sched_param we own; `tid` names a thread of
+    // this process or of our child.
+    if unsafe { libc::sched_setscheduler(tid, policy, &param) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if let Priority::Nice(nice) = priority {
+        // SAFETY: setpriority has no memory effects.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -280,16 +329,20 @@ mod tests {
     use std::process::Stdio;
 
     #[test]
-    fn a_thread_nice_value_is_set_and_given_back() {
+    fn a_thread_priority_is_set_and_given_back() {
         let old = std::thread::spawn(|| {
-            let old = set_thread_nice(5).unwrap();
-            assert_eq!(set_thread_nice(old).unwrap(), 5);
+            let old = set_thread_priority(Priority::Nice(5)).unwrap();
+            assert_eq!(
+                set_thread_priority(Priority::Realtime(1)).unwrap(),
+                Priority::Nice(5)
+            );
+            assert_eq!(set_thread_priority(old).unwrap(), Priority::Realtime(1));
             old
         })
         .join()
         .unwrap();
         // The spawning thread is untouched.
-        assert_eq!(set_thread_nice(old).unwrap(), old);
+        assert_eq!(set_thread_priority(old).unwrap(), old);
     }
 
     #[test]
@@ -313,13 +366,32 @@ mod tests {
     }
 
     #[test]
-    fn every_thread_of_a_child_gets_the_nice_value() {
+    fn every_thread_of_a_child_gets_the_priority() {
         let mut child = Command::new("sleep").arg("30").spawn().unwrap();
-        set_process_nice(child.id(), 7).unwrap();
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-        // Field 19 is the nice value; the comm field (2) holds no space here.
-        let nice: i32 = stat.split(' ').nth(18).unwrap().parse().unwrap();
-        assert_eq!(nice, 7);
+        // Fields 18 and 19 are the priority and the nice value, 41 the policy; the comm
+        // field (2) holds no space here.
+        let stat = |field: usize| -> i32 {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+            stat.split(' ').nth(field - 1).unwrap().parse().unwrap()
+        };
+        // Until its exec the child bears this thread's name.
+        let comm = format!("/proc/{}/comm", child.id());
+        for _ in 0..200 {
+            if std::fs::read_to_string(&comm).unwrap_or_default() == "sleep\n" {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        set_process_priority(child.id(), Priority::Realtime(1), Some("sleep")).unwrap();
+        assert_eq!(
+            stat(41),
+            libc::SCHED_OTHER,
+            "the named thread is left alone"
+        );
+        set_process_priority(child.id(), Priority::Realtime(1), None).unwrap();
+        assert_eq!(stat(41), libc::SCHED_RR);
+        set_process_priority(child.id(), Priority::Nice(7), None).unwrap();
+        assert_eq!((stat(41), stat(19)), (libc::SCHED_OTHER, 7));
         kill_and_reap(&mut child).unwrap();
     }
 

@@ -28,7 +28,7 @@ use super::dirty::{DirtyMemory, DIRTY_FORMAT};
 use super::disk::{self, disk_chain, DiskChain, MAX_CHAIN_LAYERS};
 use super::machine::{HostPlumbing, MachineConfig};
 use super::qemu::{Incoming, Launch, MemoryFile, Vm, VmSpec};
-use super::VmError;
+use super::{Priority, VmError};
 use crate::agent::{AgentClient, AgentError};
 
 /// The state file's name inside a capture directory.
@@ -507,11 +507,16 @@ impl Vm {
         self.qmp().stop()
     }
 
-    /// Sets the nice value of every QEMU thread: a standby warms up below live VMs.
-    pub fn set_nice(&mut self, nice: i32) -> Result<(), VmError> {
-        crate::sys::process::set_process_nice(self.pid(), nice).map_err(|source| VmError::Io {
-            op: format!("setting the nice value of QEMU {}", self.pid()),
-            source,
+    /// Sets the priority of QEMU's threads: a standby warms up below live VMs (every
+    /// thread), a pause's frozen window runs ahead of them (all but the vCPU threads).
+    pub fn set_priority(&mut self, priority: Priority) -> Result<(), VmError> {
+        // Guest code never runs in the real-time class: the vCPU threads keep theirs.
+        let except = matches!(priority, Priority::Realtime(_)).then_some("CPU ");
+        crate::sys::process::set_process_priority(self.pid(), priority, except).map_err(|source| {
+            VmError::Io {
+                op: format!("setting the priority ({priority:?}) of QEMU {}", self.pid()),
+                source,
+            }
         })
     }
 

@@ -35,6 +35,8 @@ mod boot_tests;
 #[cfg(test)]
 mod capture_tests;
 
+/// How a VM process is scheduled (a pause's frozen window, a standby's warm-up).
+pub use crate::sys::process::Priority;
 pub use accel::{detect_accel, Accel};
 pub use capture::{
     sync_guest_clock, CaptureRecord, CaptureStats, DiskCapture, RestoreSpec, RestoreStats,

@@ -435,10 +435,14 @@ fn push_machine_args(argv: &mut Vec<OsString>, spec: &VmSpec) -> Result<(), VmEr
         &["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"],
     );
     // QEMU opens no path of the state dir any more; the run dir as the guest's name still
-    // tells an operator (and `ps`) whose VM a process is.
+    // tells an operator (and `ps`) whose VM a process is. Named threads ("CPU 0/TCG")
+    // let a pause raise QEMU's own threads without its vCPUs (`Vm::set_priority`).
     push(
         argv,
-        &["-name", &format!("guest={}", opt_path(&spec.host.run_dir)?)],
+        &[
+            "-name",
+            &format!("guest={},debug-threads=on", opt_path(&spec.host.run_dir)?),
+        ],
     );
     push(argv, &["-M", &machine, "-accel", accel, "-cpu", cpu]);
     push(argv, &["-smp", &spec.machine.cpu_count.to_string()]);
@@ -1420,7 +1424,10 @@ mod tests {
         for flag in ["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"] {
             assert!(a.iter().any(|x| x == flag), "{flag}");
         }
-        assert_eq!(value(&a, "-name"), "guest=/run/agentenv/sb1");
+        assert_eq!(
+            value(&a, "-name"),
+            "guest=/run/agentenv/sb1,debug-threads=on"
+        );
         assert_eq!(value(&a, "-smp"), "2");
         assert_eq!(value(&a, "-m"), "512M");
         assert_eq!(value(&a, "-object"), "memory-backend-ram,id=ram,size=512M");
