@@ -13,18 +13,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn metric(s: &Server, line_start: &str) -> Option<f64> {
-    let text = ureq::get(&format!("{}/metrics", s.base))
-        .call()
-        .unwrap()
-        .into_string()
-        .unwrap();
-    text.lines()
-        .find(|l| l.starts_with(line_start))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 /// Directories in `<state>/quarantine`.
 fn quarantined(s: &Server) -> Vec<PathBuf> {
     std::fs::read_dir(s.state_dir.join("quarantine"))
@@ -86,7 +74,7 @@ fn a_vm_that_dies_is_stopped_and_quarantined() {
         .log()
         .contains(&format!("sandboxId={victim} op=watch result=vm_died")));
     assert_eq!(
-        metric(
+        metric_sample(
             &s,
             "agentenv_vm_deaths_total{kind=\"sandbox\",cause=\"SIGKILL\"}"
         ),
@@ -217,9 +205,9 @@ fn a_full_state_disk_answers_507_and_recovers() {
     let (code, snap) = s.call("POST", &format!("/sandboxes/{a}/snapshots"), None);
     assert_eq!(code, 201, "{snap}");
     let snap = snap["snapshotID"].as_str().unwrap().to_string();
-    let free_metric = || metric(&s, "agentenv_state_disk_bytes{state=\"free\"}").unwrap();
+    let free_metric = || metric_sample(&s, "agentenv_state_disk_bytes{state=\"free\"}").unwrap();
     assert_eq!(
-        metric(&s, "agentenv_state_disk_bytes{state=\"reserve\"}"),
+        metric_sample(&s, "agentenv_state_disk_bytes{state=\"reserve\"}"),
         Some((RESERVE_MB << 20) as f64)
     );
 
@@ -462,8 +450,14 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
     assert!(pause["since"].as_str().is_some(), "{pause}");
     let (_, v) = s.call("GET", &format!("/sandboxes/{id}"), None);
     assert_eq!(v["state"], "running", "{v}");
-    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(1.0));
-    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(1.0));
+    assert_eq!(
+        metric_sample(&s, "agentenv_vms_paused_on_io_error "),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric_sample(&s, "agentenv_vm_io_error_pauses_total "),
+        Some(1.0)
+    );
     assert!(s.log().contains(&format!(
         "sandboxId={id} op=watch result=paused_on_io_error"
     )));
@@ -500,7 +494,10 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
         "continued once space is back\n{}",
         s.log()
     );
-    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    assert_eq!(
+        metric_sample(&s, "agentenv_vms_paused_on_io_error "),
+        Some(0.0)
+    );
     let done = || {
         let v = s.exec(&id, "cat", &["/root/big.done"]);
         v["exitCode"] == 0
@@ -527,10 +524,16 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
         "paused again\n{}",
         s.log()
     );
-    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(2.0));
+    assert_eq!(
+        metric_sample(&s, "agentenv_vm_io_error_pauses_total "),
+        Some(2.0)
+    );
     let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
     assert_eq!(code, 204, "{v}");
-    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    assert_eq!(
+        metric_sample(&s, "agentenv_vms_paused_on_io_error "),
+        Some(0.0)
+    );
     std::fs::remove_file(&filler).unwrap();
     s.stop();
     assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
@@ -578,7 +581,7 @@ fn a_template_build_whose_vm_dies_fails_naming_the_death() {
         "{t}"
     );
     assert_eq!(
-        metric(
+        metric_sample(
             &s,
             "agentenv_vm_deaths_total{kind=\"build\",cause=\"SIGKILL\"}"
         ),
@@ -632,8 +635,14 @@ fn a_build_whose_vm_is_paused_on_a_full_disk_fails_at_once_with_507() {
         "{t}"
     );
     assert!(s.log().contains("result=paused_on_io_error"), "{}", s.log());
-    assert_eq!(metric(&s, "agentenv_vm_io_error_pauses_total "), Some(1.0));
-    assert_eq!(metric(&s, "agentenv_vms_paused_on_io_error "), Some(0.0));
+    assert_eq!(
+        metric_sample(&s, "agentenv_vm_io_error_pauses_total "),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric_sample(&s, "agentenv_vms_paused_on_io_error "),
+        Some(0.0)
+    );
     // Nothing of it is left: no VM, build dir or template files; one stop for its start.
     assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
     assert!(files_under(&s.state_dir.join("template-builds")).is_empty());

@@ -406,6 +406,12 @@ static ONE_SERVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// A sample of `GET /metrics` (`name{labels}` as written there), 0 when absent.
 #[allow(dead_code)]
 pub fn metric(s: &Server, sample: &str) -> u64 {
+    metric_sample(s, sample).unwrap_or(0.0) as u64
+}
+
+/// A sample of `GET /metrics`, `None` when absent.
+#[allow(dead_code)]
+pub fn metric_sample(s: &Server, sample: &str) -> Option<f64> {
     let text = ureq::get(&format!("{}/metrics", s.base))
         .call()
         .unwrap()
@@ -413,7 +419,6 @@ pub fn metric(s: &Server, sample: &str) -> u64 {
         .unwrap();
     text.lines()
         .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
