@@ -344,6 +344,22 @@ fn guests_reach_the_internet_by_default_and_nothing_of_the_host() {
     assert_reaches(&s, &open, WEB);
     let (_, resolv) = guest(&s, &open, "cat /etc/resolv.conf");
     assert!(resolv.contains("nameserver 169.254.0.22"), "{resolv}");
+    // No IPv6 leaves a slot, so the guest's NIC has none (and sent none: no router or
+    // neighbour solicitations, no MLD reports); loopback keeps ::1.
+    let (_, v6) = guest(
+        &s,
+        &open,
+        "cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6 /proc/net/if_inet6; \
+         grep -E '^Ip6OutRequests' /proc/net/snmp6",
+    );
+    let mut lines = v6.lines();
+    assert_eq!(lines.next(), Some("1"), "eth0's disable_ipv6: {v6}");
+    assert!(v6.contains(" lo") && !v6.contains("eth0"), "{v6}");
+    let sent = v6
+        .lines()
+        .find_map(|l| l.strip_prefix("Ip6OutRequests"))
+        .map(str::trim);
+    assert_eq!(sent, Some("0"), "IPv6 packets the guest sent: {v6}");
     let (code, out) = guest(&s, &open, &format!("nslookup {NAME}"));
     assert!(code == 0 && out.contains(WEB), "nslookup: {code} {out}");
     assert!(

@@ -27,8 +27,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use protocol::{
-    ErrorKind, Frame, FrameDecoder, FrameKind, Request, Response, MAX_CHUNK, MAX_PAYLOAD,
-    PROTOCOL_VERSION, STREAM_WINDOW,
+    ErrorKind, Frame, FrameDecoder, FrameKind, GuestMetrics, Request, Response, MAX_CHUNK,
+    MAX_PAYLOAD, PROTOCOL_VERSION, STREAM_WINDOW,
 };
 
 /// One command to run in the guest (api.md §4.17), already validated and merged.
@@ -626,6 +626,16 @@ impl AgentClient {
             options: options.to_string(),
         };
         self.call_done(&request, timeout, "mount_nfs")
+    }
+
+    /// One sample of the guest's CPU, memory and disk ([`Request::Metrics`]), waiting up
+    /// to `timeout`. An agent older than the request answers a protocol error.
+    pub fn metrics(&self, timeout: Duration) -> Result<GuestMetrics, AgentError> {
+        let call = Call::open(&self.shared, &Request::Metrics)?;
+        match call.response(timeout, "metrics")? {
+            Response::Metrics(m) => Ok(m),
+            other => Err(unexpected("metrics", &other)),
+        }
     }
 
     /// Has the guest write its filesystems' dirty data to disk, waiting up to `timeout`.

@@ -16,7 +16,7 @@
 //!   other calls, and no side buffers more than [`STREAM_WINDOW`] per stream.
 //! - `Cancel` (host→guest) abandons a stream.
 //!
-//! Sequences: `Hello`/`SetTime`/`Sync`/`MountNfs`/`Exec` → one `Response`. `ReadFile` → `FileOpened{size}`
+//! Sequences: `Hello`/`SetTime`/`Sync`/`MountNfs`/`Exec`/`Warmup`/`Metrics` → one `Response`. `ReadFile` → `FileOpened{size}`
 //! (host sends `Credit`s) → `Data`… → `End`, or an `Error` response at any point.
 //! `WriteFile` → `UploadReady` + `Credit` → host sends `Data`… `End` → `Done` or `Error`.
 //!
@@ -315,6 +315,11 @@ pub enum Request {
         port: u16,
         path: String,
     },
+    /// One sample of what the guest sees of its CPU, memory and root disk, answered
+    /// [`Response::Metrics`]. Over this channel rather than envd's `GET /metrics`: an idle
+    /// guest sampled every few seconds then runs no network stack or HTTP server for it
+    /// (their translated code held by every guest under TCG, docs/performance.md).
+    Metrics,
 }
 
 /// Guest-side failure classes, mapped to [`super::AgentError`] on the host.
@@ -336,7 +341,24 @@ pub enum Response {
     Exec(ExecResult),
     FileOpened { size: u64 },
     UploadReady,
+    Metrics(GuestMetrics),
     Error { kind: ErrorKind, message: String },
+}
+
+/// What the guest sees of its CPU, memory and root disk: the answer to
+/// [`Request::Metrics`] and envd's `GET /metrics` body. Sizes in bytes; `cpu_used_pct`
+/// over 100 ms; `ts` the guest's clock (unix seconds). A missing field reads 0.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GuestMetrics {
+    pub ts: u64,
+    pub cpu_count: u64,
+    pub cpu_used_pct: f64,
+    pub mem_total: u64,
+    pub mem_used: u64,
+    pub mem_cache: u64,
+    pub disk_total: u64,
+    pub disk_used: u64,
 }
 
 #[cfg(test)]

@@ -495,3 +495,35 @@ fn a_guest_agent_told_to_break_the_protocol_gets_its_channel_closed() {
         Err(AgentError::Protocol(_))
     ));
 }
+
+#[test]
+fn metrics_are_sampled_over_the_channel_by_one_thread() {
+    let c = pair();
+    let m = c.metrics(Duration::from_secs(5)).unwrap();
+    // The "guest" here is this host: its own /proc and root filesystem.
+    assert!(m.cpu_count >= 1, "{m:?}");
+    assert!((0.0..=100.0).contains(&m.cpu_used_pct), "{m:?}");
+    assert!(m.mem_total > m.mem_used && m.mem_used > 0, "{m:?}");
+    assert!(m.disk_total >= m.disk_used && m.disk_total > 0, "{m:?}");
+    // More calls at once than the queue holds: each is answered, a sample or a refusal,
+    // and the channel goes on.
+    let c = Arc::new(c);
+    let answers: Vec<_> = (0..12)
+        .map(|_| {
+            let c = c.clone();
+            std::thread::spawn(move || c.metrics(Duration::from_secs(10)))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(answers.iter().any(|a| a.is_ok()));
+    for a in &answers {
+        match a {
+            Ok(_) => {}
+            Err(AgentError::Io(m)) => assert!(m.contains("busy"), "{m}"),
+            Err(e) => panic!("unexpected answer: {e}"),
+        }
+    }
+    c.ping(Duration::from_secs(5)).unwrap();
+}

@@ -133,14 +133,44 @@ pub struct AgentServer {
     sink: Arc<FrameSink>,
     streams: Arc<Mutex<HashMap<u64, Sender<StreamEvent>>>>,
     fault_trigger: Option<Arc<std::path::Path>>,
+    /// Call ids for the metrics thread ([`metrics_thread`]).
+    metrics: Option<Sender<u64>>,
+}
+
+/// Metrics calls waiting for the metrics thread; more are refused.
+const METRICS_QUEUE: usize = 8;
+
+/// The one thread that answers `Metrics` calls (each sample measures the CPU over
+/// 100 ms), made with the agent: a guest restored from a capture then answers its
+/// periodic samples without creating a thread, which keeps an idle guest's code path,
+/// and the translated code it leaves under TCG, short (docs/performance.md). `None` when
+/// the thread cannot be made (each call is then refused).
+fn metrics_thread(sink: Arc<FrameSink>) -> Option<Sender<u64>> {
+    let (tx, rx) = crossbeam_channel::bounded::<u64>(METRICS_QUEUE);
+    let spawned = std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            for id in rx {
+                sink.response(id, &Response::Metrics(envd::metrics::sample()));
+            }
+        });
+    match spawned {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            log::warn!("no metrics thread: {e}");
+            None
+        }
+    }
 }
 
 impl AgentServer {
     pub fn new(reaper: Arc<Reaper>, set_clock: bool, writer: Box<dyn Write + Send>) -> Self {
+        let sink = Arc::new(FrameSink::new(writer));
         AgentServer {
             reaper,
             set_clock,
-            sink: Arc::new(FrameSink::new(writer)),
+            metrics: metrics_thread(sink.clone()),
+            sink,
             streams: Arc::new(Mutex::new(HashMap::new())),
             fault_trigger: None,
         }
@@ -275,6 +305,16 @@ impl AgentServer {
                     Ok(()) => sink.response(id, &Response::Done),
                     Err(e) => sink.error(id, &e),
                 });
+            }
+            Request::Metrics => {
+                let queued = self
+                    .metrics
+                    .as_ref()
+                    .is_some_and(|q| q.try_send(id).is_ok());
+                if !queued {
+                    let busy = GuestError::Io("the metrics thread is busy or missing".into());
+                    self.sink.error(id, &busy);
+                }
             }
             Request::ReadFile { path } => {
                 let (sink, events, guard) = self.open_stream(id);

@@ -11,8 +11,9 @@
 
 use super::registry::Registry;
 use super::sandbox::SandboxEntry;
+use crate::agent::protocol::GuestMetrics;
+use crate::agent::{AgentClient, AgentError};
 use parking_lot::Mutex;
-use serde::Deserialize;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Weak;
@@ -46,30 +47,24 @@ pub struct GuestSample {
     pub egress_refused_protected: u64,
 }
 
-/// What the guest agent's `GET /metrics` answers (unknown fields ignored, missing → 0).
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct GuestAnswer {
-    cpu_count: u64,
-    cpu_used_pct: f64,
-    mem_used: u64,
-    mem_total: u64,
-    mem_cache: u64,
-    disk_used: u64,
-    disk_total: u64,
-}
-
 impl GuestSample {
-    /// Parses a guest's answer (untrusted: a bad one is `None`, a percentage outside
-    /// 0..=100 is clamped).
+    /// Parses envd's `GET /metrics` body (untrusted: a bad one is `None`).
     pub fn parse(body: &[u8], at: SystemTime) -> Option<GuestSample> {
-        let a: GuestAnswer = serde_json::from_slice(body).ok()?;
+        Some(GuestSample::from_guest(
+            serde_json::from_slice(body).ok()?,
+            at,
+        ))
+    }
+
+    /// A guest's answer taken at `at` (untrusted: a percentage outside 0..=100 is
+    /// clamped; the guest's own clock is not used).
+    pub fn from_guest(a: GuestMetrics, at: SystemTime) -> GuestSample {
         let pct = if a.cpu_used_pct.is_finite() {
             a.cpu_used_pct.clamp(0.0, 100.0)
         } else {
             0.0
         };
-        Some(GuestSample {
+        GuestSample {
             at_unix_ms: unix_ms(at),
             cpu_count: a.cpu_count,
             cpu_used_pct: pct,
@@ -81,7 +76,7 @@ impl GuestSample {
             egress_bytes: 0,
             egress_refused: 0,
             egress_refused_protected: 0,
-        })
+        }
     }
 }
 
@@ -125,9 +120,20 @@ impl MetricsRing {
     }
 }
 
-/// Asks one running guest for a sample; `None` when it does not answer in time or
-/// answers nonsense.
-fn sample_guest(addr: SocketAddr) -> Option<GuestSample> {
+/// Asks one running guest's agent for a sample; `None` when it does not answer in time.
+/// An agent from before [`crate::agent::protocol::Request::Metrics`] (restored from a
+/// capture an older server made) refuses it as a protocol error: its envd is asked.
+fn sample_guest(agent: &AgentClient, addr: SocketAddr) -> Option<GuestSample> {
+    match agent.metrics(GUEST_TIMEOUT) {
+        Ok(m) => Some(GuestSample::from_guest(m, SystemTime::now())),
+        Err(AgentError::Protocol(_)) => sample_envd(addr),
+        Err(_) => None,
+    }
+}
+
+/// Asks one running guest's envd (`GET /metrics`) for a sample; `None` when it does not
+/// answer in time or answers nonsense.
+fn sample_envd(addr: SocketAddr) -> Option<GuestSample> {
     let (status, body) = crate::envd::call(
         addr,
         "GET",
@@ -173,7 +179,7 @@ fn sample_entry(entry: &SandboxEntry, agent_port: u16) {
 
 /// One sample of a running sandbox: its guest's answer and its slot's egress counters.
 pub(crate) fn sample_sandbox(entry: &SandboxEntry, addr: SocketAddr) -> Option<GuestSample> {
-    let mut sample = sample_guest(addr)?;
+    let mut sample = sample_guest(&entry.runtime()?.agent, addr)?;
     if let Some(c) = egress_counts(entry) {
         sample.egress_bytes = c.bytes_out;
         sample.egress_refused = c.refused;
@@ -229,6 +235,80 @@ pub(crate) fn render_egress(out: &mut String, entries: &[std::sync::Arc<SandboxE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::protocol::{
+        write_frame, ErrorKind, Frame, FrameKind, FrameReader, Request, Response, PROTOCOL_VERSION,
+    };
+    use std::os::unix::net::UnixStream;
+
+    /// An agent from before `Metrics`: it answers a ping and refuses every other call as
+    /// an undecodable request, as that agent did.
+    fn old_agent() -> AgentClient {
+        let (host, guest) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let mut writer = guest.try_clone().unwrap();
+            let mut frames = FrameReader::new(guest);
+            while let Ok(Some(frame)) = frames.read_frame() {
+                let answer = match serde_json::from_slice::<Request>(&frame.payload) {
+                    Ok(Request::Hello { .. }) => Response::Hello {
+                        version: PROTOCOL_VERSION,
+                        agent: "agentenv-agent old".into(),
+                    },
+                    _ => Response::Error {
+                        kind: ErrorKind::Protocol,
+                        message: "undecodable request: unknown variant `metrics`".into(),
+                    },
+                };
+                let frame = Frame::json(FrameKind::Response, frame.id, &answer);
+                if write_frame(&mut writer, &frame).is_err() {
+                    return;
+                }
+            }
+        });
+        AgentClient::from_stream(host).unwrap()
+    }
+
+    /// The guest-side agent of this release over a socket pair.
+    fn agent() -> AgentClient {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let writer = guest.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let reaper = crate::guest::reaper::Reaper::own_children();
+            crate::guest::AgentServer::new(reaper, false, Box::new(writer))
+                .serve(guest, crate::guest::OnEof::Stop)
+        });
+        AgentClient::from_stream(host).unwrap()
+    }
+
+    /// An envd answering each `GET /metrics` with `body`; the paths it was asked for.
+    fn envd(body: &'static str) -> (SocketAddr, crossbeam_channel::Receiver<String>) {
+        let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+        let addr = server.server_addr().to_ip().unwrap();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        std::thread::spawn(move || {
+            for request in server.incoming_requests() {
+                let _ = tx.send(request.url().to_string());
+                let _ = request.respond(tiny_http::Response::from_string(body));
+            }
+        });
+        (addr, rx)
+    }
+
+    #[test]
+    fn a_guest_is_sampled_over_its_agent_and_an_old_agent_over_its_envd() {
+        let (addr, asked) = envd(r#"{"cpu_count": 3, "mem_total": 1000, "mem_used": 10}"#);
+        let s = sample_guest(&agent(), addr).unwrap();
+        assert!(s.mem_total > 1000 && s.cpu_count >= 1, "{s:?}");
+        assert!(
+            asked.try_recv().is_err(),
+            "a current agent is not asked over envd"
+        );
+        let s = sample_guest(&old_agent(), addr).unwrap();
+        assert_eq!((s.cpu_count, s.mem_total, s.mem_used), (3, 1000, 10));
+        assert_eq!(
+            asked.recv_timeout(Duration::from_secs(5)).unwrap(),
+            "/metrics"
+        );
+    }
 
     fn at(secs: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(secs)

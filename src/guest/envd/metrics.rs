@@ -5,15 +5,14 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Value};
-
+use crate::agent::protocol::GuestMetrics;
 use crate::sys::guest as sys;
 
 /// CPU use is measured over this window.
 const CPU_WINDOW: Duration = Duration::from_millis(100);
 
 /// One sample. Parts the guest cannot read are 0.
-pub fn sample() -> Value {
+pub fn sample() -> GuestMetrics {
     let before = cpu_times();
     std::thread::sleep(CPU_WINDOW);
     let after = cpu_times();
@@ -32,16 +31,16 @@ pub fn sample() -> Value {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    json!({
-        "ts": ts,
-        "cpu_count": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "cpu_used_pct": (cpu_used_pct * 100.0).round() / 100.0,
-        "mem_total": mem_total,
-        "mem_used": mem_total.saturating_sub(mem_available),
-        "mem_cache": mem_cache,
-        "disk_total": disk_total,
-        "disk_used": disk_total.saturating_sub(disk_free),
-    })
+    GuestMetrics {
+        ts,
+        cpu_count: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
+        cpu_used_pct: (cpu_used_pct * 100.0).round() / 100.0,
+        mem_total,
+        mem_used: mem_total.saturating_sub(mem_available),
+        mem_cache,
+        disk_total,
+        disk_used: disk_total.saturating_sub(disk_free),
+    }
 }
 
 /// (busy, total) jiffies of all CPUs from `/proc/stat`.
@@ -90,8 +89,8 @@ mod tests {
     #[test]
     fn a_sample_of_this_machine_is_plausible() {
         let s = sample();
-        assert!(s["mem_total"].as_u64().unwrap() > 0, "{s}");
-        assert!(s["disk_total"].as_u64().unwrap() > 0, "{s}");
-        assert!(s["cpu_used_pct"].as_f64().unwrap() <= 100.0, "{s}");
+        assert!(s.mem_total > 0, "{s:?}");
+        assert!(s.disk_total > 0, "{s:?}");
+        assert!(s.cpu_used_pct <= 100.0, "{s:?}");
     }
 }

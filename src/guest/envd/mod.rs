@@ -169,7 +169,10 @@ fn handle(envd: &Envd, req: Request) {
     match (path, &method) {
         ("/health", Method::Get) => http::respond_json(req, 200, &json!({"status": "ok"})),
         ("/init", Method::Post) => init(envd, req),
-        ("/metrics", Method::Get) => http::respond_json(req, 200, &metrics::sample()),
+        ("/metrics", Method::Get) => {
+            let sample = serde_json::to_value(metrics::sample()).unwrap_or_default();
+            http::respond_json(req, 200, &sample)
+        }
         ("/envs", Method::Get) => {
             let env = envd.defaults().env;
             http::respond_json(req, 200, &json!(env))
