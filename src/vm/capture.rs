@@ -437,15 +437,7 @@ impl Vm {
         let file = File::open(partial)
             .map_err(|e| VmError::io(format!("cannot open {}", partial.display()), e))?;
         // The fsync (tens of ms for a 256 MiB guest) overlaps QEMU's exit on a pause.
-        let synced = std::thread::scope(|s| {
-            let sync = s.spawn(|| file.sync_all());
-            let quitted = if quit { self.quit() } else { Ok(()) };
-            let synced = sync
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked")));
-            quitted.map(|()| synced)
-        })?;
-        synced.map_err(|e| VmError::io(format!("cannot fsync {}", partial.display()), e))?;
+        self.sync_while_quitting(quit, &file, partial)?;
         stats.state_bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
         drop(file);
         std::fs::rename(partial, state).map_err(|e| {
@@ -529,6 +521,25 @@ impl Vm {
     }
 
     /// Asks QEMU to exit and waits for it (the disk is flushed and closed then).
+    /// fsyncs `file` (at `path`, for the error) while QEMU quits, when `quit`: a capture's
+    /// files are complete before, and QEMU's memory is no longer needed.
+    pub(crate) fn sync_while_quitting(
+        &mut self,
+        quit: bool,
+        file: &File,
+        path: &Path,
+    ) -> Result<(), VmError> {
+        std::thread::scope(|s| {
+            let sync = s.spawn(|| {
+                file.sync_all()
+                    .map_err(|e| VmError::io(format!("cannot fsync {}", path.display()), e))
+            });
+            let quitted = if quit { self.quit() } else { Ok(()) };
+            let synced = super::joined(sync, "fsync");
+            quitted.and(synced)
+        })
+    }
+
     pub fn quit(&mut self) -> Result<(), VmError> {
         if self.try_wait().is_none() {
             self.qmp().quit()?;

@@ -288,8 +288,9 @@ fn ranges(base: u64, runs: &[Run]) -> Vec<RemoteRange> {
 }
 
 /// Writes the private pages of QEMU `pid`'s mapping of `memory_file` into a new pages
-/// file `out` (mode 0600). The VM must be stopped. The file is not fsync'd: the caller
-/// does (it may overlap QEMU's exit).
+/// file `out` (mode 0600). The VM must be stopped. What is copied is made durable while
+/// the copy goes on ([`FlushAlong`]); the caller's fsync then waits for the last chunk
+/// only (it may overlap QEMU's exit).
 pub fn save_pages(
     pid: u32,
     memory_file: &Path,
@@ -308,35 +309,102 @@ pub fn save_pages(
     let scan_ms = started.elapsed().as_millis() as u64;
     let copying = Instant::now();
     let io = |e| VmError::io(format!("cannot write {}", out.display()), e);
-    let mut file = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(out)
         .map_err(io)?;
-    file.write_all(&index.encode()).map_err(io)?;
-    let mut buf = Vec::new();
-    let mut written = 0u64;
-    for chunk in chunks(&index.runs, CHUNK_BYTES / PAGE_SIZE) {
-        let len: u64 = chunk.iter().map(|r| r.pages * PAGE_SIZE).sum();
-        buf.resize(len as usize, 0);
-        procmem::read_remote(pid, &ranges(ram.start, &chunk), &mut buf)
-            .map_err(|e| VmError::io(format!("cannot read QEMU {pid}'s RAM"), e.source))?;
-        file.write_all(&buf).map_err(io)?;
-        // The disk starts on each chunk while the next is copied: the fsync that makes
-        // the pause durable then waits for the tail only.
-        let done = written + index.data_offset();
-        crate::sys::fs::start_writeback(&file, done, len)
-            .map_err(|e| VmError::io(format!("cannot write {}", out.display()), e.source))?;
-        written += len;
-    }
+    (&file).write_all(&index.encode()).map_err(io)?;
+    FlushAlong::run(&file, out, |flush| {
+        let mut buf = Vec::new();
+        let mut written = 0u64;
+        for chunk in chunks(&index.runs, CHUNK_BYTES / PAGE_SIZE) {
+            let len: u64 = chunk.iter().map(|r| r.pages * PAGE_SIZE).sum();
+            buf.resize(len as usize, 0);
+            procmem::read_remote(pid, &ranges(ram.start, &chunk), &mut buf)
+                .map_err(|e| VmError::io(format!("cannot read QEMU {pid}'s RAM"), e.source))?;
+            (&file).write_all(&buf).map_err(io)?;
+            // The disk starts on each chunk while the next is copied.
+            let done = written + index.data_offset();
+            crate::sys::fs::start_writeback(&file, done, len)
+                .map_err(|e| VmError::io(format!("cannot write {}", out.display()), e.source))?;
+            flush.written().map_err(io)?;
+            written += len;
+        }
+        Ok(())
+    })?;
     let stats = PagesStats {
         pages: index.pages(),
         scan_ms,
         copy_ms: copying.elapsed().as_millis() as u64,
     };
     Ok((file, index, stats))
+}
+
+/// Makes a file durable while it is still being written: a thread fdatasyncs whatever
+/// was written so far each time the writer says it wrote more (calls coalesce: one flush
+/// runs, one more waits). On a disk whose cost is in the cache flush (a virtual disk:
+/// the host writes the data out on the guest's flush, about 1 ms per MiB on the
+/// development hosts) the flushes then run alongside the copy instead of all after it:
+/// 40 MiB went from 65 ms (copy, then fsync) to 50 ms.
+struct FlushAlong<'a> {
+    wanted: crossbeam_channel::Sender<()>,
+    /// Set when the flusher stopped on an error: the writer stops too.
+    stopped: &'a std::sync::atomic::AtomicBool,
+}
+
+impl FlushAlong<'_> {
+    /// Runs `write` with a flusher for `file`; the first error of either is returned
+    /// (a flush error is never lost: the kernel reports it to one fsync of this file
+    /// only, and that may be the flusher's).
+    fn run<T>(
+        file: &File,
+        path: &Path,
+        write: impl FnOnce(&FlushAlong) -> Result<T, VmError>,
+    ) -> Result<T, VmError> {
+        let stopped = std::sync::atomic::AtomicBool::new(false);
+        let (wanted, asked) = crossbeam_channel::bounded::<()>(1);
+        std::thread::scope(|s| {
+            let flusher = s.spawn(|| {
+                for () in asked.iter() {
+                    if let Err(e) = file.sync_data() {
+                        stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            });
+            let along = FlushAlong {
+                wanted,
+                stopped: &stopped,
+            };
+            let written = write(&along);
+            drop(along);
+            let flushed = flusher
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the flusher thread panicked")));
+            let flushed =
+                flushed.map_err(|e| VmError::io(format!("cannot fsync {}", path.display()), e));
+            match (written, flushed) {
+                (Ok(value), Ok(())) => Ok(value),
+                // The flusher's error is the cause of the writer's, if both failed.
+                (_, Err(e)) | (Err(e), Ok(())) => Err(e),
+            }
+        })
+    }
+
+    /// More was written: a flush is wanted. Fails once the flusher has stopped on an
+    /// error (its error is the one `run` returns).
+    fn written(&self) -> std::io::Result<()> {
+        if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::other("the pages file could not be flushed"));
+        }
+        // Full: a flush is already waiting, and it will cover this chunk too.
+        let _ = self.wanted.try_send(());
+        Ok(())
+    }
 }
 
 /// Writes the pages of the pages file `pages` into QEMU `pid`'s mapping of `memory_file`
@@ -597,28 +665,22 @@ impl Vm {
         self.save_device_state(&devices)?;
         stats.migrate_ms = ms(t.elapsed());
         let ram_bytes = u64::from(self.facts.machine.memory_mb) << 20;
-        let (pages_file, index, copied) = save_pages(self.pid(), &base.memory, ram_bytes, pages)?;
+        let pid = self.pid();
+        // The state file is made from the device state and made durable while the pages
+        // are copied.
+        let (saved, state_len) = std::thread::scope(|s| {
+            let state_writer = s.spawn(|| write_state(&base.state, &devices, state));
+            let saved = save_pages(pid, &base.memory, ram_bytes, pages);
+            let state_len = super::joined(state_writer, "state writer");
+            (saved, state_len)
+        });
+        let (pages_file, index, copied) = saved?;
+        let state_len = state_len?;
 
         let t = Instant::now();
-        // QEMU's memory is no longer needed: it exits while the files are made durable.
-        let written = std::thread::scope(|s| {
-            let sync = s.spawn(|| {
-                let state_len = write_state(&base.state, &devices, state)?;
-                pages_file
-                    .sync_all()
-                    .map_err(|e| VmError::io(format!("cannot fsync {}", pages.display()), e))?;
-                Ok::<u64, VmError>(state_len)
-            });
-            let quitted = if quit { self.quit() } else { Ok(()) };
-            let written = sync.join().unwrap_or_else(|_| {
-                Err(VmError::io(
-                    "cannot write the device state",
-                    std::io::Error::other("the writer thread panicked"),
-                ))
-            });
-            quitted.map(|()| written)
-        })?;
-        let state_len = written?;
+        // QEMU's memory is no longer needed: it exits while the last pages are made
+        // durable.
+        self.sync_while_quitting(quit, &pages_file, pages)?;
         let _ = std::fs::remove_file(&devices);
         stats.sync_ms = ms(t.elapsed());
         stats.state_bytes = state_len + index.file_len();
@@ -785,6 +847,64 @@ mod tests {
     use super::*;
 
     const P: u64 = PM_PRESENT;
+
+    #[test]
+    fn flush_along_returns_what_was_written() {
+        let dir = std::env::temp_dir().join(format!("aenv-flush-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pages");
+        let file = File::create(&path).unwrap();
+        let chunks = FlushAlong::run(&file, &path, |flush| {
+            for i in 0..8u8 {
+                (&file).write_all(&[i; 4096]).unwrap();
+                flush.written().unwrap();
+            }
+            Ok(8)
+        });
+        assert_eq!(chunks.unwrap(), 8);
+        let back = std::fs::read(&path).unwrap();
+        assert_eq!(back.len(), 8 * 4096);
+        assert_eq!(back[7 * 4096], 7);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_flush_stops_the_writer_and_is_the_error() {
+        // fsync of a character device fails (EINVAL) while its writes succeed.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .unwrap();
+        let path = Path::new("/dev/null");
+        let mut writer_stopped = false;
+        let result: Result<(), VmError> = FlushAlong::run(&file, path, |flush| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline {
+                (&file).write_all(&[0; 4096]).unwrap();
+                if let Err(e) = flush.written() {
+                    writer_stopped = true;
+                    return Err(VmError::io("the writer stopped", e));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        });
+        let e = result.unwrap_err().to_string();
+        assert!(e.contains("cannot fsync /dev/null"), "{e}");
+        assert!(writer_stopped, "the writer went on after the flush failed");
+    }
+
+    #[test]
+    fn a_failed_write_is_the_error() {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .unwrap();
+        let result: Result<(), VmError> = FlushAlong::run(&file, Path::new("/dev/null"), |_| {
+            Err(VmError::InvalidSpec("the copy failed".into()))
+        });
+        assert!(result.unwrap_err().to_string().contains("the copy failed"));
+    }
 
     #[test]
     fn private_pages_become_runs() {

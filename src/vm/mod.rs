@@ -37,6 +37,20 @@ mod capture_tests;
 
 /// How a VM process is scheduled (a pause's frozen window, a standby's warm-up).
 pub use crate::sys::process::Priority;
+
+/// The result of a scoped helper thread of a VM operation; its panic is an error of the
+/// operation (`what` names the thread's job).
+fn joined<T>(
+    handle: std::thread::ScopedJoinHandle<'_, Result<T, VmError>>,
+    what: &str,
+) -> Result<T, VmError> {
+    handle.join().unwrap_or_else(|_| {
+        Err(VmError::io(
+            format!("the {what} thread of a VM operation failed"),
+            io::Error::other("it panicked"),
+        ))
+    })
+}
 pub use accel::{detect_accel, Accel};
 pub use capture::{
     sync_guest_clock, CaptureRecord, CaptureStats, DiskCapture, RestoreSpec, RestoreStats,
