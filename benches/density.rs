@@ -14,7 +14,9 @@
 //!
 //! Needs root and the assets of scripts/setup.sh; run it through `scripts/bench`, which
 //! holds the host lock. `AENV_BENCH_GUESTS` (default 500), `AENV_BENCH_IDLE_SECS` (30),
-//! `AENV_BENCH_CLIENTS` (8) and `AENV_BENCH_THROUGHPUT_SECS` (20) size the runs.
+//! `AENV_BENCH_CLIENTS` (8) and `AENV_BENCH_THROUGHPUT_SECS` (20) size the runs;
+//! `AENV_BENCH_CONFIG` adds config sections to the server's defaults (say
+//! `[metrics]\nsandbox_interval_secs = 0`) to measure what one setting costs.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -76,7 +78,9 @@ fn main() {
     load.push(load_average());
 
     // The server on its default config: admission by headroom, no vCPU cap, the pool on.
-    let server = BenchServer::start(&assets, &work.join("s"), None);
+    // `AENV_BENCH_CONFIG`: whole config sections added to the defaults, for experiments.
+    let extra = std::env::var("AENV_BENCH_CONFIG").unwrap_or_default();
+    let server = BenchServer::start_with(&assets, &work.join("s"), None, &extra);
     let template = server.build_template(&image, "bench-density");
 
     // Density: hold N idle guests (or as many as admission lets in), then pause one more

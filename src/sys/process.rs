@@ -30,6 +30,9 @@ pub struct ChildSetup {
     /// effective, permitted and inheritable sets and its bounding set, so not even exec
     /// gives them back.
     pub dropped_capabilities: &'static [u32],
+    /// No transparent huge pages for the child (`PR_SET_THP_DISABLE`, kept across exec),
+    /// whatever it asks with `madvise`.
+    pub no_huge_pages: bool,
 }
 
 /// `CAP_MKNOD` (linux/capability.h): making device nodes.
@@ -50,6 +53,7 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         jail,
         credentials,
         dropped_capabilities,
+        no_huge_pages,
     } = setup;
     // Sources are first moved above every target, so that no dup2 overwrites a source
     // that is still to be moved.
@@ -87,6 +91,11 @@ pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
         }
         if !dropped_capabilities.is_empty() {
             drop_capabilities(dropped_capabilities)?;
+        }
+        // SAFETY: prctl(PR_SET_THP_DISABLE) takes integers by value and touches no memory;
+        // it is async-signal-safe, as required between fork and exec.
+        if no_huge_pages && unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) } < 0 {
+            return Err(io::Error::last_os_error());
         }
         if let Some(credentials) = &credentials {
             credentials.assume()?;
@@ -468,6 +477,33 @@ mod tests {
         out.clear();
         std::io::Read::read_to_string(&mut &reader2, &mut out).unwrap();
         assert_eq!(out, "four\n");
+    }
+
+    /// `no_huge_pages` holds across exec; without it a child may have them.
+    #[test]
+    fn huge_pages_are_off_after_exec_when_asked() {
+        let thp = |no_huge_pages: bool| {
+            let mut cmd = Command::new("grep");
+            cmd.args(["^THP_enabled:", "/proc/self/status"]);
+            configure_child(
+                &mut cmd,
+                ChildSetup {
+                    no_huge_pages,
+                    ..ChildSetup::default()
+                },
+            );
+            let out = cmd.output().unwrap();
+            assert!(
+                out.status.success(),
+                "no THP_enabled line in /proc/self/status"
+            );
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .nth(1)
+                .map(str::to_owned)
+        };
+        assert_eq!(thp(true).as_deref(), Some("0"));
+        assert_eq!(thp(false).as_deref(), Some("1"));
     }
 
     /// A child that stays root loses CAP_MKNOD for good: `mknod` of a device fails with
