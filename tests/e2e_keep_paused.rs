@@ -67,6 +67,7 @@ fn a_paused_clone_keeps_its_vm_and_resumes_in_it() {
     build_template(&s, "kp");
     let id = s.create_from("kp", 120);
     let pid = one_qemu(&id);
+    huge_pages_follow_the_accelerator(&s, pid);
     let sleeper = sh(
         &s,
         &id,
@@ -168,5 +169,29 @@ fn a_paused_clone_keeps_its_vm_and_resumes_in_it() {
             "no stop for {}",
             r.sandbox_id()
         );
+    }
+}
+
+/// Under TCG the QEMU runs without transparent huge pages (its translation buffer would
+/// be held in 2 MiB steps) and holds none; under KVM it may have them.
+fn huge_pages_follow_the_accelerator(s: &Server, pid: u32) {
+    let log = s.log();
+    let spawn = log
+        .lines()
+        .find(|l| l.contains("op=spawn") && l.contains(&format!("pid={pid} ")))
+        .unwrap_or_else(|| panic!("no spawn line for QEMU {pid}:\n{log}"));
+    let tcg = spawn.contains("accel=tcg");
+    let field = |file: &str, key: &str| -> String {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/{file}"))
+            .trim()
+            .to_string()
+    };
+    let enabled = field("status", "THP_enabled:");
+    assert_eq!(enabled, if tcg { "0" } else { "1" }, "{spawn}");
+    if tcg {
+        assert_eq!(field("smaps_rollup", "AnonHugePages:"), "0 kB", "{spawn}");
     }
 }

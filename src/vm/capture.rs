@@ -520,7 +520,6 @@ impl Vm {
         self.qmp().set_link(super::qemu::NETDEV_ID, up)
     }
 
-    /// Asks QEMU to exit and waits for it (the disk is flushed and closed then).
     /// fsyncs `file` (at `path`, for the error) while QEMU quits, when `quit`: a capture's
     /// files are complete before, and QEMU's memory is no longer needed.
     pub(crate) fn sync_while_quitting(
@@ -540,6 +539,7 @@ impl Vm {
         })
     }
 
+    /// Asks QEMU to exit and waits for it (the disk is flushed and closed then).
     pub fn quit(&mut self) -> Result<(), VmError> {
         if self.try_wait().is_none() {
             self.qmp().quit()?;

@@ -349,44 +349,32 @@ pub fn save_pages(
 /// the host writes the data out on the guest's flush, about 1 ms per MiB on the
 /// development hosts) the flushes then run alongside the copy instead of all after it:
 /// 40 MiB went from 65 ms (copy, then fsync) to 50 ms.
-struct FlushAlong<'a> {
+struct FlushAlong {
+    /// Closed once the flusher stopped on an error: the writer stops too.
     wanted: crossbeam_channel::Sender<()>,
-    /// Set when the flusher stopped on an error: the writer stops too.
-    stopped: &'a std::sync::atomic::AtomicBool,
 }
 
-impl FlushAlong<'_> {
-    /// Runs `write` with a flusher for `file`; the first error of either is returned
-    /// (a flush error is never lost: the kernel reports it to one fsync of this file
-    /// only, and that may be the flusher's).
+impl FlushAlong {
+    /// Runs `write` with a flusher for `file` (at `path`); the first error of either is
+    /// returned (a flush error is never lost: the kernel reports it to one fsync of this
+    /// file only, and that may be the flusher's).
     fn run<T>(
         file: &File,
         path: &Path,
         write: impl FnOnce(&FlushAlong) -> Result<T, VmError>,
     ) -> Result<T, VmError> {
-        let stopped = std::sync::atomic::AtomicBool::new(false);
         let (wanted, asked) = crossbeam_channel::bounded::<()>(1);
         std::thread::scope(|s| {
-            let flusher = s.spawn(|| {
+            // `asked` goes with the thread: a flusher that stops closes the channel.
+            let flusher = s.spawn(move || {
                 for () in asked.iter() {
-                    if let Err(e) = file.sync_data() {
-                        stopped.store(true, std::sync::atomic::Ordering::SeqCst);
-                        return Err(e);
-                    }
+                    file.sync_data()
+                        .map_err(|e| VmError::io(format!("cannot fsync {}", path.display()), e))?;
                 }
                 Ok(())
             });
-            let along = FlushAlong {
-                wanted,
-                stopped: &stopped,
-            };
-            let written = write(&along);
-            drop(along);
-            let flushed = flusher
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the flusher thread panicked")));
-            let flushed =
-                flushed.map_err(|e| VmError::io(format!("cannot fsync {}", path.display()), e));
+            let written = write(&FlushAlong { wanted });
+            let flushed = super::joined(flusher, "flusher");
             match (written, flushed) {
                 (Ok(value), Ok(())) => Ok(value),
                 // The flusher's error is the cause of the writer's, if both failed.
@@ -398,12 +386,13 @@ impl FlushAlong<'_> {
     /// More was written: a flush is wanted. Fails once the flusher has stopped on an
     /// error (its error is the one `run` returns).
     fn written(&self) -> std::io::Result<()> {
-        if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(std::io::Error::other("the pages file could not be flushed"));
+        match self.wanted.try_send(()) {
+            Err(crossbeam_channel::TrySendError::Disconnected(())) => {
+                Err(std::io::Error::other("the pages file could not be flushed"))
+            }
+            // Full: a flush is already waiting, and it will cover this chunk too.
+            Ok(()) | Err(crossbeam_channel::TrySendError::Full(())) => Ok(()),
         }
-        // Full: a flush is already waiting, and it will cover this chunk too.
-        let _ = self.wanted.try_send(());
-        Ok(())
     }
 }
 
