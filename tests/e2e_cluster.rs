@@ -515,18 +515,17 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         // wait for it only up to the peer timeout (2 s), then answer without it.
         let n3 = c.node("n3").child.as_ref().unwrap().id().to_string();
         run("kill", &["-STOP", &n3]);
-        let asked = std::time::Instant::now();
+        // The list answers while n3 is still stopped (it never answers until SIGCONT
+        // below), so n1 gave up on n3 by its peer timeout rather than waiting for it; the
+        // log says why it left n3 out. No wall-clock bound: the event is the answer.
         let (v2, _) = listed(c.node("n1"), "/v2/sandboxes", "sandboxID");
-        let took = asked.elapsed();
         run("kill", &["-CONT", &n3]);
         assert_eq!(sorted(v2), both);
-        // Not a speed goal: without the peer timeout the list would wait for n3 until the
-        // client's own timeout (180 s); the bound leaves room for a loaded machine.
-        assert!(took < Duration::from_secs(15), "the list took {took:?}");
         let log = c.node("n1").log();
         assert!(
             log.contains("op=cluster_merge node=n3 path=/v2/sandboxes"),
-            "n1 did not log leaving n3 out"
+            "n1 did not log leaving n3 out:\n{}",
+            sdk::tail(&log, 40)
         );
 
         // n2 SIGKILLed: its sandbox is left out, its metrics too; counted and logged.

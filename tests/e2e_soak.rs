@@ -14,13 +14,16 @@ mod common;
 use common::extension::{Behavior, Extension, Recorded};
 use common::loopfs::LoopFs;
 use common::*;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// The size of a soak and of its faults.
+/// The size of a soak and of its faults. Faults are due at operation counts (fractions
+/// of `ops`, moved a little by the seed): the client that takes the operation a fault is
+/// due at, and every one after it, waits until the fault has begun, so every run injects
+/// every fault, whatever the machine's speed.
 struct Plan {
     ops: usize,
     clients: usize,
@@ -85,7 +88,32 @@ const DISK_GRACE: Duration = Duration::from_secs(15);
 /// A QEMU killed within this of an answer about its sandbox explains that answer.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 
+/// The run's seed: `AENV_SOAK_SEED` repeats a run's choices (clients' operations, fault
+/// positions, which QEMU is killed); otherwise taken from the clock and printed.
+fn seed() -> u64 {
+    let seed = std::env::var("AENV_SOAK_SEED")
+        .ok()
+        .map(|v| v.parse().expect("AENV_SOAK_SEED is a number"))
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    println!("soak: seed {seed} (AENV_SOAK_SEED={seed} repeats this run's choices)");
+    seed
+}
+
+/// xorshift64* over `state`, in `0..n`.
+fn next_rand(state: &mut u64, n: u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+}
+
 fn soak(plan: &Plan) {
+    let seed = seed();
     let ext = Extension::start();
     let scratch = scratch_dir();
     let fs = LoopFs::new(&scratch.join("state"), DISK_MB);
@@ -106,14 +134,18 @@ fn soak(plan: &Plan) {
         total: plan.ops,
         answers: Mutex::new(Vec::new()),
         faults: Mutex::new(Faults::default()),
+        gate: Mutex::new(Gate::default()),
+        gate_moved: Condvar::new(),
     };
+    let due = schedule(plan, seed);
+    run.gate.lock().due = due.iter().map(|(op, _)| *op).collect();
     let started = Instant::now();
     std::thread::scope(|scope| {
         for n in 0..plan.clients {
             let run = &run;
-            scope.spawn(move || Client::new(n, run).work());
+            scope.spawn(move || Client::new(n, seed, run).work());
         }
-        inject_faults(plan, &run, &ext, &fs, &mut s);
+        inject_faults(plan, &due, seed, &run, &ext, &fs, &mut s);
     });
     let took = started.elapsed();
     clean_up(&s, &run);
@@ -198,14 +230,38 @@ struct Run {
     total: usize,
     answers: Mutex<Vec<Answer>>,
     faults: Mutex<Faults>,
+    gate: Mutex<Gate>,
+    gate_moved: Condvar,
 }
 
+/// The operations faults are due at, and how many faults have begun.
+#[derive(Default)]
+struct Gate {
+    due: Vec<usize>,
+    begun: usize,
+}
+
+/// How long a client waits at the gate for a fault to begin (a QEMU kill may first start
+/// a sandbox of its own) before the run fails.
+const GATE_WAIT: Duration = Duration::from_secs(300);
+
 impl Run {
-    fn progress(&self) -> f64 {
-        self.done.load(Ordering::SeqCst) as f64 / self.total as f64
+    /// Waits until every fault due at or before operation `op` has begun.
+    fn pass_gate(&self, op: usize) {
+        let deadline = Instant::now() + GATE_WAIT;
+        let mut gate = self.gate.lock();
+        while gate.due.iter().filter(|d| **d <= op).count() > gate.begun {
+            if self.gate_moved.wait_until(&mut gate, deadline).timed_out() {
+                panic!("operation {op} waited {GATE_WAIT:?} for a fault to begin");
+            }
+        }
     }
-    fn finished(&self) -> bool {
-        self.done.load(Ordering::SeqCst) >= self.total
+
+    /// The fault numbered `n` (from 1) has begun: operations up to the next one go on.
+    fn fault_begun(&self, n: usize) {
+        let mut gate = self.gate.lock();
+        gate.begun = gate.begun.max(n);
+        self.gate_moved.notify_all();
     }
 
     /// One API call; transport errors are answers too (status `None`).
@@ -258,11 +314,7 @@ struct Client<'r> {
 }
 
 impl<'r> Client<'r> {
-    fn new(n: usize, run: &'r Run) -> Client<'r> {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
+    fn new(n: usize, seed: u64, run: &'r Run) -> Client<'r> {
         Client {
             run,
             rng: seed ^ ((n as u64 + 1) * 0x9e37_79b9_7f4a_7c15),
@@ -273,15 +325,16 @@ impl<'r> Client<'r> {
     }
 
     fn rand(&mut self, n: u64) -> u64 {
-        // xorshift64*
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        next_rand(&mut self.rng, n)
     }
 
     fn work(mut self) {
-        while self.run.issued.fetch_add(1, Ordering::SeqCst) < self.run.total {
+        loop {
+            let op = self.run.issued.fetch_add(1, Ordering::SeqCst);
+            if op >= self.run.total {
+                break;
+            }
+            self.run.pass_gate(op);
             self.one_op();
             self.run.done.fetch_add(1, Ordering::SeqCst);
         }
@@ -634,7 +687,7 @@ fn connect_messages(mut rest: &[u8]) -> (String, Value, Value) {
 // The faults.
 // ---------------------------------------------------------------------------------------
 
-/// One fault, due once the run has done `at` of its operations.
+/// One fault, due at an operation of the run ([`schedule`]).
 enum Fault {
     Hooks,
     KillQemu,
@@ -642,38 +695,61 @@ enum Fault {
     DiskFull,
 }
 
-/// Injects the plan's faults as the clients make progress, spread over the run.
-fn inject_faults(plan: &Plan, run: &Run, ext: &Extension, fs: &LoopFs, s: &mut Server) {
-    let mut due: Vec<(f64, Fault)> = vec![(0.10, Fault::Hooks), (0.60, Fault::DiskFull)];
+/// The plan's faults and the operation each is due at, in order: spread over the run,
+/// each moved by up to 4 % of the run by the seed.
+fn schedule(plan: &Plan, seed: u64) -> Vec<(usize, Fault)> {
+    let mut at: Vec<(f64, Fault)> = vec![(0.10, Fault::Hooks), (0.60, Fault::DiskFull)];
     for k in 0..plan.qemu_kills {
-        due.push((
+        at.push((
             0.2 + 0.7 * (k as f64 + 0.5) / plan.qemu_kills as f64,
             Fault::KillQemu,
         ));
     }
     for k in 0..plan.server_kills {
-        due.push((0.35 + 0.45 * k as f64, Fault::KillServer));
+        at.push((0.35 + 0.45 * k as f64, Fault::KillServer));
     }
-    due.sort_by(|a, b| a.0.total_cmp(&b.0));
-    for (at, fault) in due {
-        while run.progress() < at && !run.finished() {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        if run.finished() {
-            panic!("the run ended before all its faults were injected (one due at {at})");
-        }
+    let mut rng = seed ^ 0x5eed_fa17;
+    let mut due: Vec<(usize, Fault)> = at
+        .into_iter()
+        .map(|(f, fault)| {
+            let jitter = next_rand(&mut rng, 81) as f64 / 1000.0 - 0.04;
+            let op = ((f + jitter) * plan.ops as f64) as usize;
+            (op.clamp(1, plan.ops - 1), fault)
+        })
+        .collect();
+    due.sort_by_key(|(op, _)| *op);
+    due
+}
+
+/// Injects the faults as the clients reach the operations they are due at; a fault
+/// opens the gate (`fault_begun`) once it has begun, so no run ends before all of them.
+fn inject_faults(
+    plan: &Plan,
+    due: &[(usize, Fault)],
+    seed: u64,
+    run: &Run,
+    ext: &Extension,
+    fs: &LoopFs,
+    s: &mut Server,
+) {
+    let mut rng = seed ^ 0x0c1e_a7ed;
+    for (n, (op, fault)) in due.iter().enumerate() {
+        let reached = wait_until(GATE_WAIT, || run.issued.load(Ordering::SeqCst) > *op);
+        assert!(reached, "the clients never reached operation {op}");
+        let begun = || run.fault_begun(n + 1);
         match fault {
-            Fault::Hooks => hook_faults(plan.hook_faults, run, ext),
-            Fault::KillQemu => kill_a_qemu(run, s),
+            Fault::Hooks => hook_faults(plan.hook_faults, run, ext, &begun),
+            Fault::KillQemu => kill_a_qemu(run, s, &mut rng),
             Fault::KillServer => kill_the_server(run, s),
-            Fault::DiskFull => fill_the_disk(plan.disk_full, run, fs),
+            Fault::DiskFull => fill_the_disk(plan.disk_full, run, fs, &begun),
         }
+        begun();
     }
 }
 
 /// The extension fails every start (and the next two stop attempts) for `d`, then
 /// answers slowly (under its timeout) for `d`.
-fn hook_faults(d: Duration, run: &Run, ext: &Extension) {
+fn hook_faults(d: Duration, run: &Run, ext: &Extension, begun: &dyn Fn()) {
     let t0 = Instant::now();
     ext.set("start-fresh", Behavior::status(503));
     ext.set(
@@ -681,6 +757,7 @@ fn hook_faults(d: Duration, run: &Run, ext: &Extension) {
         Behavior::json(500, json!({"error": "injected"})),
     );
     ext.script("stop", vec![Behavior::status(503); 2]);
+    begun();
     std::thread::sleep(d);
     let t1 = Instant::now();
     for hook in ["start-fresh", "start-resume", "stop"] {
@@ -713,19 +790,27 @@ fn running_vms(s: &Server) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// SIGKILLs the QEMU of a random running sandbox (waiting, bounded, for one to run).
-fn kill_a_qemu(run: &Run, s: &Server) {
+/// SIGKILLs the QEMU of a random running sandbox of the clients'. The clients wait at the
+/// gate meanwhile and may all hold paused sandboxes only: then it starts one of its own
+/// (deleted with the rest at the end) and kills that one.
+fn kill_a_qemu(run: &Run, s: &Server, rng: &mut u64) {
     let mut vms = Vec::new();
-    wait_until(Duration::from_secs(120), || {
+    wait_until(Duration::from_secs(5), || {
         vms = running_vms(s);
         !vms.is_empty()
     });
-    assert!(!vms.is_empty(), "no QEMU ran to be killed:\n{}", s.log());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    let pick = nanos as usize % vms.len();
+    if vms.is_empty() {
+        let body = json!({"image": base_image(), "timeout": SANDBOX_TIMEOUT});
+        let (status, v) = run.call("POST", "/sandboxes-cold", Some(body));
+        assert_eq!(status, Some(201), "a sandbox to kill: {v}\n{}", s.log());
+        let id = id_of(&v);
+        vms = running_vms(s)
+            .into_iter()
+            .filter(|(_, i)| *i == id)
+            .collect();
+        assert!(!vms.is_empty(), "no QEMU runs for {id}:\n{}", s.log());
+    }
+    let pick = next_rand(rng, vms.len() as u64) as usize;
     let (pid, id) = vms.swap_remove(pick);
     run.faults.lock().qemu_kills.push((id, Instant::now()));
     host("kill", &["-KILL", &pid.to_string()]);
@@ -746,9 +831,10 @@ fn kill_the_server(run: &Run, s: &mut Server) {
 }
 
 /// Fills the state disk below the reserve, then completely, for `d`; then frees it.
-fn fill_the_disk(d: Duration, run: &Run, fs: &LoopFs) {
+fn fill_the_disk(d: Duration, run: &Run, fs: &LoopFs, begun: &dyn Fn()) {
     let t0 = Instant::now();
     let below = fs.fill_to((RESERVE_MB / 4) << 20, 1);
+    begun();
     std::thread::sleep(d / 2);
     let full = fs.fill_to(0, 2);
     std::thread::sleep(d / 2);

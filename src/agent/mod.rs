@@ -382,6 +382,16 @@ impl AgentClient {
     /// Connects to QEMU's chardev unix socket (retrying until it exists), then pings until
     /// the guest answers or `deadline`.
     pub fn connect(socket: &Path, deadline: Instant) -> Result<AgentClient, AgentError> {
+        AgentClient::connect_unless(socket, deadline, || None)
+    }
+
+    /// [`AgentClient::connect`], giving up early when `give_up` (asked between pings, about
+    /// twice a second) names a reason the guest cannot answer (e.g. its VM is paused).
+    pub fn connect_unless(
+        socket: &Path,
+        deadline: Instant,
+        mut give_up: impl FnMut() -> Option<String>,
+    ) -> Result<AgentClient, AgentError> {
         let stream = loop {
             match UnixStream::connect(socket) {
                 Ok(s) => break s,
@@ -405,6 +415,12 @@ impl AgentClient {
                     if client.shared.dead.lock().is_some() || left.is_zero() {
                         return Err(AgentError::Unreachable(format!(
                             "guest agent on {} did not answer: {reason}",
+                            socket.display()
+                        )));
+                    }
+                    if let Some(why) = give_up() {
+                        return Err(AgentError::Unreachable(format!(
+                            "guest agent on {} cannot answer: {why}",
                             socket.display()
                         )));
                     }

@@ -87,6 +87,8 @@ pub enum NotReady {
     Exited(VmExit),
     /// No answer within `secs`.
     Silent { secs: u64, source: Arc<AgentError> },
+    /// QEMU paused the booting guest because a disk write found the state dir full (507).
+    DiskFull { message: String },
 }
 
 impl fmt::Display for NotReady {
@@ -94,6 +96,7 @@ impl fmt::Display for NotReady {
         match self {
             NotReady::Exited(status) => write!(f, "the VM exited during boot ({status})"),
             NotReady::Silent { secs, source } => write!(f, "no answer within {secs}s: {source}"),
+            NotReady::DiskFull { message } => write!(f, "{message}"),
         }
     }
 }
@@ -106,6 +109,7 @@ impl OrchError {
             OrchError::BadRequest(_) => 400,
             OrchError::Conflict(_) | OrchError::InvalidTransition { .. } => 409,
             OrchError::TooMany(_) => 429,
+            OrchError::GuestNotReady(NotReady::DiskFull { .. }) => 507,
             OrchError::Upstream(_) => 502,
             OrchError::Unavailable(_) => 503,
             OrchError::Internal(_)
@@ -341,6 +345,10 @@ mod tests {
         assert!(silent
             .message()
             .starts_with("guest agent did not become ready: no answer within 30s: "));
+        let disk_full = OrchError::GuestNotReady(NotReady::DiskFull {
+            message: "the state dir is full".into(),
+        });
+        assert_eq!(disk_full.status(), 507);
         let store = || Box::new(OrchError::Internal("disk gone".into()));
         let paused = OrchError::PausedUnrecorded {
             id: "sb".into(),

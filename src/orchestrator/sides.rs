@@ -213,7 +213,13 @@ impl Machines for QemuMachines {
 
 impl Machine for Vm {
     fn connect_agent(&mut self, deadline: Instant) -> Result<AgentClient, AgentError> {
-        AgentClient::connect(self.agent_socket(), deadline)
+        let socket = self.agent_socket().to_path_buf();
+        // A guest QEMU paused on a write the full state disk refused cannot answer: the
+        // wait ends at once (the caller asks `paused_on_io_error` for its answer).
+        AgentClient::connect_unless(&socket, deadline, || {
+            matches!(self.paused_on_io_error(), Ok(true))
+                .then(|| "its VM is paused on a disk I/O error".to_string())
+        })
     }
     fn console_tail(&self, lines: usize) -> String {
         Vm::console_tail(self, lines)

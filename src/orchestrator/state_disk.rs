@@ -106,6 +106,20 @@ impl StateDisk {
             .is_none_or(|(_, free)| free >= GUEST_CONTINUE_FREE)
     }
 
+    /// What a start answers when QEMU paused its booting guest on a write the full state
+    /// disk refused (the VM is torn down, nothing of the start is kept).
+    pub fn guest_booting_on_full_disk(&self) -> String {
+        let free = self
+            .space()
+            .map_or("an unknown number of".into(), |(_, f)| f.to_string());
+        format!(
+            "the guest paused on an I/O error while it booted: a write to its disk found the \
+             state dir {} full ({free} bytes free now); nothing was started, free space there \
+             (delete sandboxes, snapshots or other files) and retry",
+            self.dir.display()
+        )
+    }
+
     /// Counts guest `id` as paused on a full state disk; what its calls answer with.
     pub fn guest_paused(&self, id: &str) -> IoErrorPause {
         self.io_pauses.fetch_add(1, Ordering::Relaxed);

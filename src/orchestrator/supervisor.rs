@@ -717,6 +717,9 @@ fn wait_ready(
             let tail = runtime.vm.console_tail(20);
             let why = match runtime.vm.exited() {
                 Some(status) => NotReady::Exited(status),
+                None if matches!(runtime.vm.paused_on_io_error(), Ok(true)) => NotReady::DiskFull {
+                    message: launcher.disk.guest_booting_on_full_disk(),
+                },
                 None => NotReady::Silent {
                     secs: timeout.as_secs(),
                     source: Arc::new(e),
