@@ -833,8 +833,8 @@ fn kill_the_server(run: &Run, s: &mut Server) {
 /// Fills the state disk below the reserve, then completely, for `d`; then frees it.
 fn fill_the_disk(d: Duration, run: &Run, fs: &LoopFs, begun: &dyn Fn()) {
     let t0 = Instant::now();
-    let below = fs.fill_to((RESERVE_MB / 4) << 20, 1);
     begun();
+    let below = fs.fill_to((RESERVE_MB / 4) << 20, 1);
     std::thread::sleep(d / 2);
     let full = fs.fill_to(0, 2);
     std::thread::sleep(d / 2);

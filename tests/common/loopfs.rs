@@ -5,7 +5,7 @@ use std::process::Command;
 use std::time::Duration;
 
 /// An ext4 filesystem in a sparse image file, loop-mounted at `dir` for one test; always
-/// unmounted and detached on drop, also when the test panics. Mounted at a server's
+/// unmounted (which detaches its loop device) on drop, also when the test panics. Mounted at a server's
 /// `<scratch>/state`, it also removes that scratch dir after a passing test, as the
 /// [`super::Server`] does (which cannot while the filesystem is mounted in it).
 pub struct LoopFs {
@@ -39,6 +39,10 @@ impl LoopFs {
         };
         std::fs::create_dir_all(dir).unwrap();
         run("mount", &[&fs.device, dir.to_str().unwrap()]);
+        // Detaching a mounted device makes the kernel detach it once it is unmounted
+        // (autoclear): a test killed before its drop leaves no loop device behind once its
+        // mount is gone (with its mount namespace, under scripts/run-tests).
+        run("losetup", &["-d", &fs.device]);
         fs
     }
 
@@ -64,26 +68,43 @@ impl LoopFs {
     /// are left): fallocate for the bulk, written blocks for the rest.
     pub fn fill_to(&self, leave: u64, n: u32) -> PathBuf {
         let path = self.dir.join(format!("filler-{n}"));
-        // fallocate's own extent blocks come out of the free space too.
-        let bulk = self.free().saturating_sub(leave + (16 << 20));
         let mut f = std::fs::File::create(&path).unwrap();
-        if bulk > 0 {
-            run(
-                "fallocate",
-                &["-l", &bulk.to_string(), path.to_str().unwrap()],
-            );
-        }
+        let mut len = 0u64;
+        // fallocate takes extent blocks of its own out of the free space too: it is asked
+        // for a little less than what is over, again, until less than 1 MiB is; written
+        // blocks (each synced, so the free space counts them) take the rest. A few
+        // allocations, not one fsync per 64 KiB of everything (slow on a busy host disk).
         let block = vec![0u8; 64 << 10];
         loop {
-            let over = self.free().saturating_sub(leave) as usize;
+            let over = self.free().saturating_sub(leave);
             if over == 0 {
                 break;
             }
-            let n = over.min(block.len());
-            let wrote = std::io::Write::write_all(&mut f, &block[..n]).and_then(|()| f.sync_all());
+            if over > 1 << 20 {
+                let more = over - over / 64 - (256 << 10);
+                run(
+                    "fallocate",
+                    &[
+                        "-o",
+                        &len.to_string(),
+                        "-l",
+                        &more.to_string(),
+                        path.to_str().unwrap(),
+                    ],
+                );
+                len += more;
+                continue;
+            }
+            let n = (over as usize).min(block.len());
+            use std::io::{Seek, SeekFrom, Write};
+            let wrote = f
+                .seek(SeekFrom::Start(len))
+                .and_then(|_| f.write_all(&block[..n]))
+                .and_then(|()| f.sync_all());
             if wrote.is_err() {
                 break;
             }
+            len += n as u64;
         }
         path
     }
@@ -105,7 +126,8 @@ impl Drop for LoopFs {
         if !unmounted {
             let _ = Command::new("umount").args(["-l", dir]).status();
         }
-        let _ = Command::new("losetup").args(["-d", &self.device]).status();
+        // No `losetup -d`: the device went with the unmount (autoclear, see `new`), and
+        // its number may already be another test's.
         let _ = std::fs::remove_file(&self.image);
         let _ = std::fs::remove_dir(&self.dir);
         let scratch = self.dir.parent().filter(|p| {
