@@ -8,9 +8,12 @@
 //! holds the host lock. One template build (one cold boot) and one restore.
 
 #[path = "common/mod.rs"]
+mod bench;
+#[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{median, sorted, BenchServer, API_KEY};
+use bench::{median, sorted};
+use common::API_KEY;
 use serde_json::json;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -25,13 +28,11 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let assets = PathBuf::from(
-        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
-    );
+    let assets = bench::assets_dir();
     let work = PathBuf::from(format!("/tmp/aenv-api-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
-    let server = BenchServer::start(&assets, &work, None);
-    let addr = server.base().trim_start_matches("http://").to_string();
+    let server = bench::start_server(&work, None, "");
+    let addr = server.base.trim_start_matches("http://").to_string();
     println!(
         "# agentenv API latency benchmark ({SAMPLES} × GET /health per row, new connection each)\n"
     );
@@ -42,7 +43,7 @@ fn main() {
     // (b) one sandbox: 16 commands sleeping, 16 uploads stalled mid-body.
     let image = format!("oci:{}", assets.join("base-image").display());
     server.build_template(&image, "bench-api");
-    let v = server.call(
+    let v = server.call_expect(
         "POST",
         "/sandboxes",
         Some(json!({"templateID": "bench-api", "timeout": 600})),
@@ -50,7 +51,7 @@ fn main() {
     );
     let id = v["sandboxID"].as_str().unwrap().to_string();
     for _ in 0..16 {
-        let url = format!("{}/sandboxes/{id}/commands", server.base());
+        let url = format!("{}/sandboxes/{id}/commands", server.base);
         // Detached: the sandbox's deletion ends them.
         std::thread::spawn(move || {
             let _ = ureq::post(&url)
@@ -58,26 +59,14 @@ fn main() {
                 .send_json(json!({"cmd": "sleep", "args": ["120"], "timeoutMs": 600000}));
         });
     }
-    let stalled: Vec<TcpStream> = (0..16)
-        .map(|i| {
-            let mut c = TcpStream::connect(&addr).unwrap();
-            write!(
-                c,
-                "PUT /sandboxes/{id}/files?path=/tmp/stalled-{i} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Length: {}\r\n\r\n",
-                8 << 20
-            )
-            .unwrap();
-            c.write_all(&[b'x'; 1000]).unwrap();
-            c
-        })
-        .collect();
+    let stalled = common::stalled_uploads(&server, &id, 16);
     std::thread::sleep(Duration::from_secs(2));
     rows.push((
         "(b) 16 sleeping commands + 16 stalled uploads",
         health_latencies(&addr),
     ));
     drop(stalled);
-    server.call("DELETE", &format!("/sandboxes/{id}"), None, 204);
+    server.delete(&id);
 
     // (c) 200 slowloris connections, one header byte each every 500 ms.
     let stop = Arc::new(AtomicBool::new(false));

@@ -19,7 +19,7 @@ mod bench;
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use bench::{load_average, median, p90};
+use bench::{load_average, median, ms_since, p90};
 use common::cluster::{envd_sh, Cluster};
 use common::{base_image, id_of, Server};
 use serde_json::json;
@@ -32,11 +32,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = std::env::var("AENV_BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(31)
-        .max(3);
+    let runs = bench::runs(31).max(3);
     let load_before = load_average();
     let cluster = Cluster::start();
     let via = |path: &str| -> &Server {
@@ -64,11 +60,11 @@ fn main() {
         for (i, path) in PATHS.iter().enumerate() {
             let t = Instant::now();
             assert_eq!(envd_sh(via(path), &id, &token, "true").1, 0, "{path}");
-            command.0[i].push(ms(t));
+            command.0[i].push(ms_since(t));
             let t = Instant::now();
             let (code, got) = via(path).call("GET", &format!("/sandboxes/{id}"), None);
             assert_eq!(code, 200, "{path}: {got}");
-            read.0[i].push(ms(t));
+            read.0[i].push(ms_since(t));
         }
     }
 
@@ -90,7 +86,7 @@ fn main() {
                 0,
                 "{path}"
             );
-            first.0[i].push(ms(t));
+            first.0[i].push(ms_since(t));
             let (code, got) = via(path).call("DELETE", &format!("/sandboxes/{new_id}"), None);
             assert_eq!(code, 204, "{path}: {got}");
         }
@@ -132,8 +128,4 @@ impl Samples {
             added(&self.0[2]),
         );
     }
-}
-
-fn ms(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1000.0
 }

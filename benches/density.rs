@@ -19,21 +19,16 @@
 //! `[metrics]\nsandbox_interval_secs = 0`) to measure what one setting costs.
 
 #[path = "common/mod.rs"]
+mod bench;
+#[path = "../tests/common/mod.rs"]
 mod common;
 
 use agentenv::image::ImageStore;
-use common::{load_average, median, BenchServer, Floor, FloorVm, DISK_MB};
+use bench::{env_or, load_average, median, Floor, FloorVm, DISK_MB};
+use common::Server;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-        .max(1)
-}
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
@@ -44,9 +39,7 @@ fn main() {
     let idle_secs = env_or("AENV_BENCH_IDLE_SECS", 30) as u64;
     let clients = env_or("AENV_BENCH_CLIENTS", 8);
     let throughput_secs = env_or("AENV_BENCH_THROUGHPUT_SECS", 20) as u64;
-    let assets = PathBuf::from(
-        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
-    );
+    let assets = bench::assets_dir();
     let work = PathBuf::from(format!("/tmp/aenv-dn-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).unwrap();
@@ -80,7 +73,7 @@ fn main() {
     // The server on its default config: admission by headroom, no vCPU cap, the pool on.
     // `AENV_BENCH_CONFIG`: whole config sections added to the defaults, for experiments.
     let extra = std::env::var("AENV_BENCH_CONFIG").unwrap_or_default();
-    let server = BenchServer::start_with(&assets, &work.join("s"), None, &extra);
+    let mut server = bench::start_server(&work.join("s"), None, &extra);
     let template = server.build_template(&image, "bench-density");
 
     // Density: hold N idle guests (or as many as admission lets in), then pause one more
@@ -100,7 +93,7 @@ fn main() {
     let mem_used_kb = mem_before.saturating_sub(mem_available_kb());
     load.push(load_average());
     let pause_load = load_average();
-    let pauses = pause_under_load(&server, &template, common::runs(15));
+    let pauses = pause_under_load(&server, &template, bench::runs(15));
     load.push(load_average());
     for id in &held.ids {
         server.delete(id);
@@ -115,9 +108,10 @@ fn main() {
 
     server.delete_template(&template);
     let leftover_snapshots = server.count_snapshots();
-    let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+    let log = server.log();
+    server.stop();
+    let state_left = sandbox_files_left(&server.state_dir);
     drop(server);
-    let state_left = sandbox_files_left(&work.join("s/state"));
     let host_after = HostObjects::now(&work);
 
     let held_n = held.ids.len();
@@ -183,10 +177,10 @@ fn main() {
         "| pause after 32 MiB dirtied, {held_n} guests idle (load {pause_load:.2}), p50 / p90 | \
          {:.1} / {:.1} ms | | | p50 ≤ 100 ms: {} |",
         median(&pauses),
-        common::p90(&pauses),
+        bench::p90(&pauses),
         met(median(&pauses) <= 100.0)
     );
-    let (steps, n) = common::log_medians(
+    let (steps, n) = bench::log_medians(
         &log,
         "dirty=true",
         &[
@@ -199,7 +193,7 @@ fn main() {
             "totalMs",
         ],
     );
-    let (pause_ms, _) = common::log_medians(&log, "op=pause result=ok", &["ms"]);
+    let (pause_ms, _) = bench::log_medians(&log, "op=pause result=ok", &["ms"]);
     println!("| that pause's steps in the server's log (medians of {n}) | {steps}; whole pause {pause_ms} | | | |");
     println!();
     println!("Where a guest's PSS is (MiB; one guest each, its largest mappings):\n");
@@ -260,7 +254,7 @@ struct Part {
 
 impl Held {
     /// Creates up to `n` sandboxes from `template`, one after another, until one is refused.
-    fn create(server: &BenchServer, template: &str, n: usize) -> Held {
+    fn create(server: &Server, template: &str, n: usize) -> Held {
         let t = Instant::now();
         let mut held = Held {
             ids: Vec::new(),
@@ -283,8 +277,8 @@ impl Held {
 
     /// The guests claimed from a warm standby and the others (from the server's log),
     /// with the PSS of each part (`pids` in the order of `ids`).
-    fn split_by_standby(&self, server: &BenchServer, pids: &[u32]) -> (Part, Part) {
-        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+    fn split_by_standby(&self, server: &Server, pids: &[u32]) -> (Part, Part) {
+        let log = server.log();
         let warm: std::collections::HashSet<&str> = log
             .lines()
             .filter(|l| {
@@ -311,11 +305,11 @@ impl Held {
 
 /// `runs` times: a new sandbox from `template` dirties 32 MiB of RAM and is paused (the
 /// time of the pause), then deleted.
-fn pause_under_load(server: &BenchServer, template: &str, runs: usize) -> Vec<f64> {
+fn pause_under_load(server: &Server, template: &str, runs: usize) -> Vec<f64> {
     (0..runs)
         .map(|_| {
             let (id, _) = server.create_from_template(template);
-            server.command(&id, common::DIRTY_32M);
+            server.command(&id, bench::DIRTY_32M);
             std::thread::sleep(Duration::from_millis(500));
             let took = server.pause(&id);
             server.delete(&id);
@@ -587,7 +581,7 @@ fn host_cpu() -> (f64, f64) {
 /// `clients` threads each creating a sandbox from `template`, running `true` and deleting
 /// it, until `secs` have passed; completed rounds per second over the whole window
 /// (the deletes included).
-fn throughput(server: &BenchServer, template: &str, clients: usize, secs: u64) -> Throughput {
+fn throughput(server: &Server, template: &str, clients: usize, secs: u64) -> Throughput {
     let stop = AtomicBool::new(false);
     let errors = AtomicUsize::new(0);
     let latencies = parking_lot::Mutex::new(Vec::new());

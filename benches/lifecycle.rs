@@ -15,15 +15,19 @@
 //! markdown table (p50, p90, ratios) for docs/performance.md.
 
 #[path = "common/mod.rs"]
+mod bench;
+#[path = "../tests/common/mod.rs"]
 mod common;
 
 use agentenv::config::AccelMode;
 use agentenv::image::ImageStore;
 use agentenv::vm;
-use common::{
-    field, load_average, log_medians, median, ms_since, p90, BenchServer, Floor, FloorTemplate,
-    FloorVm, HookExtension, DISK_MB, MEMORY_MB, SETTLE, STEP_TIMEOUT,
+use bench::{
+    field, load_average, log_medians, median, ms_since, p90, Floor, FloorTemplate, FloorVm,
+    DISK_MB, MEMORY_MB, SETTLE, STEP_TIMEOUT,
 };
+use common::extension::Extension;
+use common::Server;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -32,8 +36,8 @@ fn main() {
         return;
     }
     let started = Instant::now();
-    let runs = common::runs(15);
-    let assets = common::assets_dir();
+    let runs = bench::runs(15);
+    let assets = bench::assets_dir();
     // Short: QEMU's socket paths under it must fit in sun_path.
     let work = PathBuf::from(format!("/tmp/aenv-lc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
@@ -59,14 +63,13 @@ fn main() {
 
     // Phase 1: the server without an extension: create from a built template, with the
     // standby pool (the default) and without it.
-    let bench = CreateBench {
-        assets: &assets,
+    let creates = CreateBench {
         image: &image,
         floor: &floor,
         template: &ramfile,
         runs,
     };
-    let (create_plain, first_plain) = bench.run(
+    let (create_plain, first_plain) = creates.run(
         [
             "create from a built template `POST /sandboxes` → 201, no extension (a warm standby)",
             "create → first command answer, no extension (a warm standby)",
@@ -75,7 +78,7 @@ fn main() {
         "",
         &mut load,
     );
-    let (create_no_pool, first_no_pool) = bench.run(
+    let (create_no_pool, first_no_pool) = creates.run(
         [
             "the same with no standby (a miss: `standby_per_template = 0`)",
             "create → first command answer, no extension (a miss)",
@@ -87,13 +90,13 @@ fn main() {
 
     // Phase 2: the server with a local extension (start-resume on every create and
     // resume): the path users take, on one template-derived sandbox per run.
-    let extension = HookExtension::start();
-    let server = BenchServer::start(&assets, &work.join("s2"), Some(&extension.url));
+    let extension = Extension::start();
+    let server = bench::start_server(&work.join("s2"), Some(&extension), "");
     let built = server.build_template(&image, "bench-built-2");
     let mut rows = UserPath::rows();
     let mut state_bytes = (Vec::new(), Vec::new());
     let (mut create_hook, mut resume_hook) = (Vec::new(), Vec::new());
-    let resumes_before = extension.start_resumes();
+    let resumes_before = extension.count("start-resume");
     for i in 0..runs {
         let mut product = None;
         let mut floor_run = None;
@@ -119,7 +122,7 @@ fn main() {
         load.push(load_average());
         eprintln!("phase 2: run {}/{runs} done", i + 1);
     }
-    let start_resumes = extension.start_resumes() - resumes_before;
+    let start_resumes = extension.count("start-resume") - resumes_before;
     let burst = burst(&server, &built);
     load.push(load_average());
 
@@ -182,7 +185,7 @@ fn main() {
     server.delete_template(&template);
     server.delete_template(&built);
     let leftover = server.count_snapshots();
-    let log = std::fs::read_to_string(server.log.clone()).unwrap_or_default();
+    let log = server.log();
     drop(server);
     drop(extension);
     let _ = std::fs::remove_dir_all(&work);
@@ -341,7 +344,6 @@ impl Row {
 /// Phase 1: creates from a built template (then deleted) on a server without an
 /// extension, alternating with the floor's clone of its RAM-file template.
 struct CreateBench<'a> {
-    assets: &'a Path,
     image: &'a str,
     floor: &'a Floor,
     template: &'a FloorTemplate,
@@ -361,7 +363,7 @@ impl CreateBench<'_> {
         let mut row = Row::new(name, Some(40.0));
         let mut first = Row::new(first_name, Some(60.0));
         let pooled = !config.contains("standby_per_template = 0");
-        let server = BenchServer::start_with(self.assets, work, None, config);
+        let server = bench::start_server(work, None, config);
         let built = server.build_template(self.image, "bench-built-1");
         for i in 0..self.runs {
             std::thread::sleep(SETTLE);
@@ -397,7 +399,7 @@ impl CreateBench<'_> {
         }
         server.delete_template(&built);
         assert_eq!(server.count_snapshots(), 0, "phase 1 left snapshots");
-        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+        let log = server.log();
         let from_standby = log.matches("standby=true").count();
         eprintln!(
             "phase 1 ({name}): {from_standby} of {} creates took a standby",
@@ -488,15 +490,15 @@ fn print_breakdown(log: &str) {
 /// the state bytes of the dirty pause (from the server's log) and when start-resume
 /// reached the extension (create, resume).
 fn product_user_path(
-    server: &BenchServer,
+    server: &Server,
     template: &str,
-    extension: &HookExtension,
+    extension: &Extension,
 ) -> (UserPath, f64, (Option<f64>, Option<f64>)) {
     let mut p = UserPath::default();
     server.wait_standby();
     let t = Instant::now();
     let (id, create) = server.create_from_template(template);
-    let create_hook = extension.since_start_resume(t);
+    let create_hook = bench::ms_after(extension.last_at("start-resume"), t);
     p.create = create;
     p.first_command = server.command(&id, "true");
     p.create_to_first = ms_since(t);
@@ -505,12 +507,12 @@ fn product_user_path(
     p.pause_idle = server.pause(&id);
     let t = Instant::now();
     p.resume = server.resume(&id);
-    let resume_hook = extension.since_start_resume(t);
+    let resume_hook = bench::ms_after(extension.last_at("start-resume"), t);
     server.command(&id, "true");
     p.resume_to_first = ms_since(t);
-    server.command(&id, common::DIRTY_32M);
+    server.command(&id, bench::DIRTY_32M);
     p.pause_dirty = server.pause(&id);
-    let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+    let log = server.log();
     let bytes = log
         .lines()
         .rev()
@@ -543,7 +545,7 @@ fn floor_user_path(floor: &Floor, template: &FloorTemplate, dir: &Path) -> (User
     p.resume = ms_since(t);
     vm.exec("true");
     p.resume_to_first = ms_since(t);
-    vm.exec(common::DIRTY_32M);
+    vm.exec(bench::DIRTY_32M);
     p.pause_dirty = floor_pause_dirty(&mut vm, template, &devices, &pages);
     let bytes = [&devices, &pages]
         .iter()
@@ -610,7 +612,7 @@ fn floor_resume_dirty(
 /// A burst: 8 clients at once, each creating 4 sandboxes from `template` and running a
 /// first command in each; all 32 are deleted after. A markdown row: how many were
 /// answered and refused, and create → first command answer p50 / p90.
-fn burst(server: &BenchServer, template: &str) -> String {
+fn burst(server: &Server, template: &str) -> String {
     const CLIENTS: usize = 8;
     const EACH: usize = 4;
     let results: Vec<Result<(String, f64), String>> = std::thread::scope(|scope| {

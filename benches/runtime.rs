@@ -6,6 +6,8 @@
 //! Prints a markdown table (medians and p90) for docs/performance.md.
 
 #[path = "common/mod.rs"]
+mod bench;
+#[path = "../tests/common/mod.rs"]
 mod common;
 
 use agentenv::agent::AgentClient;
@@ -13,7 +15,7 @@ use agentenv::config::Config;
 use agentenv::image::ImageStore;
 use agentenv::net::SlotManager;
 use agentenv::vm;
-use common::{median, ms_since, p90, BenchServer, Floor, DISK_MB, STEP_TIMEOUT};
+use bench::{median, ms_since, p90, Floor, DISK_MB, STEP_TIMEOUT};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -24,9 +26,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let assets = std::path::PathBuf::from(
-        std::env::var("AENV_ASSETS_DIR").unwrap_or_else(|_| "/var/lib/agentenv/assets".into()),
-    );
+    let assets = bench::assets_dir();
     let work = std::env::temp_dir().join(format!("aenv-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
     println!("# agentenv runtime benchmark ({RUNS} runs, TCG unless KVM is usable)\n");
@@ -96,7 +96,7 @@ fn boot_times(assets: &Path, work: &Path) -> (Vec<f64>, Vec<f64>, (Vec<f64>, f64
     let image = format!("oci:{}", assets.join("base-image").display());
     let base = images.prepare_rootfs(&image, DISK_MB).unwrap().base_disk;
     let floor = Floor::new(assets);
-    let server = BenchServer::start(assets, &work.join("server"), None);
+    let server = bench::start_server(&work.join("server"), None, "");
     // Warm the server's image cache and page cache once.
     let id = server.create_cold(&image);
     server.delete(&id);

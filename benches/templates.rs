@@ -11,9 +11,12 @@
 //! markdown table (p50, p90, ratio to the floor) for docs/performance.md.
 
 #[path = "common/mod.rs"]
+mod bench;
+#[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{load_average, median, ms_since, p90, BenchServer};
+use bench::{load_average, median, ms_since, p90};
+use common::Server;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -40,16 +43,16 @@ fn steps() -> Value {
 }
 
 /// One v2 build of `image` as template `name`; its time to `ready`.
-fn build(server: &BenchServer, image: &str, name: &str, force: bool) -> f64 {
+fn build(server: &Server, image: &str, name: &str, force: bool) -> f64 {
     let t = Instant::now();
-    let v = server.call("POST", "/v3/templates", Some(json!({"name": name})), 202);
+    let v = server.call_expect("POST", "/v3/templates", Some(json!({"name": name})), 202);
     let (tid, bid) = (
         v["templateID"].as_str().unwrap(),
         v["buildID"].as_str().unwrap(),
     );
     let body = json!({"fromImage": image, "steps": steps(), "startCmd": START,
         "readyCmd": READY, "force": force});
-    server.call(
+    server.call_expect(
         "POST",
         &format!("/v2/templates/{tid}/builds/{bid}"),
         Some(body),
@@ -58,7 +61,7 @@ fn build(server: &BenchServer, image: &str, name: &str, force: bool) -> f64 {
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let path = format!("/templates/{tid}/builds/{bid}/status?logsOffset=100000");
-        let st = server.call("GET", &path, None, 200);
+        let st = server.call_expect("GET", &path, None, 200);
         match st["status"].as_str() {
             Some("ready") => return ms_since(t),
             Some("error") => panic!("the build failed: {st}"),
@@ -74,7 +77,7 @@ fn build(server: &BenchServer, image: &str, name: &str, force: bool) -> f64 {
 }
 
 /// The floor: a cold sandbox of `image`, the steps by hand, the server, a snapshot.
-fn floor(server: &BenchServer, image: &str, name: &str) -> f64 {
+fn floor(server: &Server, image: &str, name: &str) -> f64 {
     let t = Instant::now();
     let id = server.create_cold(image);
     server.command(&id, &format!("cd / && {PREPARE}"));
@@ -104,21 +107,11 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs = common::runs(15);
-    let assets = common::assets_dir();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/build-debian-image.sh");
-    let out = std::process::Command::new(script).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = std::env::var("AENV_TEST_IMAGES_DIR")
-        .unwrap_or_else(|_| "/var/lib/agentenv/test-images".into());
-    let image = format!("oci:{dir}/debian-12");
+    let runs = bench::runs(15);
+    let image = common::debian_image();
     let work = PathBuf::from(format!("/tmp/aenv-tb-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
-    let server = BenchServer::start(&assets, &work, None);
+    let server = bench::start_server(&work, None, "");
     println!(
         "# agentenv template build benchmark ({runs} runs, Debian 12, TCG unless KVM is usable)\n"
     );

@@ -169,10 +169,10 @@ fn bundle_installs_runs_and_uninstalls_in_a_root() {
 
     // The installed binary serves from the installed assets.
     {
-        let mut server = Server::start_binary(
-            &bin,
-            &[("assets_dir", format!("{:?}", assets.display().to_string()))],
-        );
+        let mut server = Server::builder()
+            .binary(&bin)
+            .vm("assets_dir", format!("{:?}", assets.display().to_string()))
+            .start();
         let (status, body) = server.call("GET", "/sandboxes", None);
         assert_eq!(status, 200, "{body}");
         // The static binary as a client: it resolves a host name (glibc's built-in files

@@ -15,7 +15,10 @@ const KEYS: &str = "header_timeout_secs = 2\nidle_timeout_secs = 3\nbody_timeout
 
 #[test]
 fn hostile_clients_cannot_crash_wedge_or_starve_the_server() {
-    let mut s = Server::start_with_server_keys(KEYS, &[("AENV_TEST_FAULTS", "1")]);
+    let mut s = Server::builder()
+        .server_keys(KEYS)
+        .env("AENV_TEST_FAULTS", "1")
+        .start();
     huge_content_length(&mut s);
     bad_content_lengths(&mut s);
     unread_bodies_close_the_connection(&mut s);
@@ -34,13 +37,9 @@ fn hostile_clients_cannot_crash_wedge_or_starve_the_server() {
     );
     drop(s);
     // Without AENV_TEST_FAULTS the fault header does nothing.
-    let mut s = Server::configure_full(
-        &scratch_dir(),
-        &[],
-        "",
-        "[admission]\nmax_memory_mb = 200\n",
-    );
-    s.spawn();
+    let s = Server::builder()
+        .section("[admission]\nmax_memory_mb = 200\n")
+        .start();
     let (code, _) = s.raw(&format!(
         "GET /sandboxes HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nX-Aenv-Test-Fault: panic\r\nConnection: close\r\n\r\n"
     ));

@@ -7,8 +7,6 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
-use std::io::Write;
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// How long each of the busy sandbox's commands sleeps: past every check below.
@@ -17,7 +15,9 @@ const SLEEP_SECS: u64 = 20;
 #[test]
 fn one_sandbox_cannot_starve_the_api_or_another_sandbox() {
     // Stalled uploads stay stalled for the whole test (the default body timeout is 30 s).
-    let s = Server::start_with_server_keys("body_timeout_secs = 120", &[]);
+    let s = Server::builder()
+        .server_keys("body_timeout_secs = 120")
+        .start();
     build_template(&s, "starve");
     let busy = s.create_from("starve", 600);
     let other = s.create_from("starve", 600);
@@ -37,20 +37,7 @@ fn one_sandbox_cannot_starve_the_api_or_another_sandbox() {
         })
         .collect();
     // 16 uploads to `busy` send their head and 1000 bytes of an 8 MiB body, then stall.
-    let addr = s.base.trim_start_matches("http://").to_string();
-    let stalled: Vec<TcpStream> = (0..16)
-        .map(|i| {
-            let mut c = TcpStream::connect(&addr).unwrap();
-            write!(
-                c,
-                "PUT /sandboxes/{busy}/files?path=/tmp/stalled-{i} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Length: {}\r\n\r\n",
-                8 << 20
-            )
-            .unwrap();
-            c.write_all(&[b'x'; 1000]).unwrap();
-            c
-        })
-        .collect();
+    let stalled = stalled_uploads(&s, &busy, 16);
     std::thread::sleep(Duration::from_secs(2));
     let started = Instant::now();
 

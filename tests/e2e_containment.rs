@@ -18,7 +18,7 @@ fn hostile_hosts_and_guests_are_contained() {
     let base = scratch_dir();
     let pad = 100usize.saturating_sub(base.as_os_str().len() + "/state".len());
     let dir = std::path::PathBuf::from(format!("{}{}", base.display(), "x".repeat(pad)));
-    let mut server = Server::configure(&dir, &[], "");
+    let mut server = Server::builder().dir(&dir).configure();
     assert!(server.state_dir.as_os_str().len() >= 100);
     server.spawn();
     let id = sandbox_from_a_template(&server);
@@ -365,7 +365,7 @@ fn sandbox_from_a_template(s: &Server) -> String {
 fn second_server_is_refused(first: &Server, id: &str) {
     let netns_before = netns_files();
     assert!(!netns_before.is_empty());
-    let second = Server::configure(&scratch_dir(), &[], "");
+    let second = Server::builder().configure();
     let mut child = Command::new(env!("CARGO_BIN_EXE_agentenv"))
         .args(["serve", "--config"])
         .arg(&second.config_path)

@@ -38,10 +38,10 @@ fn guest_never_ready() {
     let _ = std::fs::remove_file(assets.join("vmlinuz"));
     std::os::unix::fs::symlink(&kernel, assets.join("vmlinuz")).unwrap();
     std::fs::write(assets.join("initramfs.img"), vec![0x5au8; 4096]).unwrap();
-    let mut server = Server::start_with_vm(&[
-        ("ready_timeout_secs", "5".to_string()),
-        ("assets_dir", format!("{:?}", assets.display().to_string())),
-    ]);
+    let mut server = Server::builder()
+        .vm("ready_timeout_secs", 5)
+        .vm("assets_dir", format!("{:?}", assets.display().to_string()))
+        .start();
     let (code, v) = server.call(
         "POST",
         "/sandboxes-cold",

@@ -178,13 +178,11 @@ fn on_small_disk_with(reserve_mb: u64, extra_toml: &str) -> (Extension, LoopFs, 
     let ext = Extension::start();
     let scratch = scratch_dir();
     let fs = LoopFs::new(&scratch.join("state"), 1536);
-    let mut s = Server::configure_full(
-        &scratch,
-        &[],
-        &format!("disk_reserve_mb = {reserve_mb}"),
-        &format!("{}{extra_toml}", extension_toml(&ext)),
-    );
-    s.spawn();
+    let s = Server::builder()
+        .dir(&scratch)
+        .server_keys(&format!("disk_reserve_mb = {reserve_mb}"))
+        .section(&format!("{}{extra_toml}", extension_toml(&ext)))
+        .start();
     (ext, fs, s)
 }
 

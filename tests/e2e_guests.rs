@@ -23,8 +23,9 @@ fn debian_image_from_the_registry_runs_python() {
     let image = debian_image();
     let registry = TestRegistry::start(Auth::Anonymous);
     let reference = registry.push_layout(&format!("{image}:12"), "debian", "12");
-    let mut server = Server::configure(&scratch_dir(), &[], "");
-    server.spawn_with_env(&[("AENV_TEMPLATES_BUILD_BASE", "true")]);
+    let server = Server::builder()
+        .env("AENV_TEMPLATES_BUILD_BASE", "true")
+        .start();
     // A create from `base` while it is still building waits for the build, not 400.
     let (_, base) = server.call("GET", "/templates/base", None);
     assert!(

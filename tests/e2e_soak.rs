@@ -117,16 +117,14 @@ fn soak(plan: &Plan) {
     let ext = Extension::start();
     let scratch = scratch_dir();
     let fs = LoopFs::new(&scratch.join("state"), DISK_MB);
-    let mut s = Server::configure_full(
-        &scratch,
-        &[],
-        &format!("disk_reserve_mb = {RESERVE_MB}"),
-        &format!(
+    let mut s = Server::builder()
+        .dir(&scratch)
+        .server_keys(&format!("disk_reserve_mb = {RESERVE_MB}"))
+        .section(&format!(
             "[custom_extension]\nurl = \"{}\"\ntimeout_ms = {HOOK_TIMEOUT_MS}\n",
             ext.url()
-        ),
-    );
-    s.spawn();
+        ))
+        .start();
     let run = Run {
         base: s.base.clone(),
         issued: AtomicUsize::new(0),

@@ -1,20 +1,18 @@
-//! What the benches share: the real server binary driven over HTTP, a local custom
-//! extension, and the statistics they print. Included with `#[path]` by each bench.
+//! What the benches share beyond the tests' harness (tests/common, included by each bench
+//! as `common`): the bench configuration of its [`Server`], the timed API operations, the
+//! raw QEMU floor, and the statistics they print. Included with `#[path]` as `bench`.
 
 #![allow(dead_code)]
 
+use crate::common::extension::Extension;
+use crate::common::{metric, wait_until, Server, API_KEY};
 use agentenv::agent::{AgentClient, ExecRequest};
 use agentenv::vm::{self, Accel, Qmp, GUEST_MAC};
-use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub const API_KEY: &str = "bench-key-0123456789abcdefghijklmnopqrstuvwxyz";
 pub const MEMORY_MB: u32 = 256;
 pub const DISK_MB: u32 = 1024;
 
@@ -33,7 +31,12 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Runs per row: `AENV_BENCH_RUNS`, else `default`; at least one.
 pub fn runs(default: usize) -> usize {
-    std::env::var("AENV_BENCH_RUNS")
+    env_or("AENV_BENCH_RUNS", default)
+}
+
+/// The count in environment variable `name`, else `default`; at least one.
+pub fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
@@ -72,6 +75,12 @@ pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1000.0
 }
 
+/// Milliseconds from `t` to `at`, when `at` came at or after `t`.
+pub fn ms_after(at: Option<Instant>, t: Instant) -> Option<f64> {
+    let at = at?;
+    (at >= t).then(|| (at - t).as_secs_f64() * 1000.0)
+}
+
 pub fn load_average() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -98,185 +107,50 @@ pub fn log_medians(log: &str, marker: &str, keys: &[&str]) -> (String, usize) {
     (fields.join(", "), lines.len())
 }
 
-/// A local custom extension: 200 `{}` to every hook; counts start-resume.
-pub struct HookExtension {
-    pub url: String,
-    server: Arc<tiny_http::Server>,
-    start_resume: Arc<AtomicUsize>,
-    last_start_resume: Arc<Mutex<Option<Instant>>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl HookExtension {
-    pub fn start() -> HookExtension {
-        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
-        let port = server.server_addr().to_ip().unwrap().port();
-        let start_resume = Arc::new(AtomicUsize::new(0));
-        let last_start_resume = Arc::new(Mutex::new(None));
-        let thread = {
-            let (server, start_resume, last) = (
-                server.clone(),
-                start_resume.clone(),
-                last_start_resume.clone(),
-            );
-            std::thread::spawn(move || {
-                for request in server.incoming_requests() {
-                    let response = if request.url().contains("/sandbox-hook/") {
-                        if request.url().ends_with("/sandbox-hook/start-resume") {
-                            *last.lock() = Some(Instant::now());
-                            start_resume.fetch_add(1, Ordering::SeqCst);
-                        }
-                        tiny_http::Response::from_string("{}")
-                            .with_status_code(200)
-                            .with_header(
-                                tiny_http::Header::from_bytes("Content-Type", "application/json")
-                                    .unwrap(),
-                            )
-                    } else {
-                        tiny_http::Response::from_string("").with_status_code(404)
-                    };
-                    let _ = request.respond(response);
-                }
-            })
-        };
-        HookExtension {
-            url: format!("http://127.0.0.1:{port}"),
-            server,
-            start_resume,
-            last_start_resume,
-            thread: Some(thread),
-        }
-    }
-
-    pub fn start_resumes(&self) -> usize {
-        self.start_resume.load(Ordering::SeqCst)
-    }
-
-    /// Milliseconds from `t` to the last start-resume's arrival, if one arrived since.
-    pub fn since_start_resume(&self, t: Instant) -> Option<f64> {
-        let at = (*self.last_start_resume.lock())?;
-        (at >= t).then(|| (at - t).as_secs_f64() * 1000.0)
-    }
-}
-
-impl Drop for HookExtension {
-    fn drop(&mut self) {
-        self.server.unblock();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// The real server binary on loopback; its log (info level) goes to `log`.
-pub struct BenchServer {
-    child: Child,
-    base: String,
-    agent: ureq::Agent,
-    pub log: PathBuf,
-}
-
-impl BenchServer {
-    pub fn start(assets: &Path, work: &Path, extension_url: Option<&str>) -> BenchServer {
-        BenchServer::start_with(assets, work, extension_url, "")
-    }
-
-    /// [`BenchServer::start`] with `extra` appended to the config file (whole sections).
-    pub fn start_with(
-        assets: &Path,
-        work: &Path,
-        extension_url: Option<&str>,
-        extra: &str,
-    ) -> BenchServer {
-        std::fs::create_dir_all(work).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let config = work.join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{port}\"\nstate_dir = \"{}\"\napi_key = \"{API_KEY}\"\n\
-                 [vm]\nassets_dir = \"{}\"\ndefault_memory_mb = {MEMORY_MB}\ndefault_cpu_count = 1\n\
-                 default_disk_size_mb = {DISK_MB}\n\
-                 [network]\npool_min = 2\n{}{extra}",
-                work.join("state").display(),
-                assets.display(),
-                extension_url
-                    .map(|url| format!("[custom_extension]\nurl = \"{url}\"\n"))
-                    .unwrap_or_default(),
-            ),
+/// The bench server in `work`: the binary cargo built for the benches (release), or
+/// `AENV_BENCH_BINARY`; info log, stdout discarded, on 127.0.0.1, a pool of 2 slots, the
+/// bench guest size, `extension` as its custom extension and `extra` (whole sections)
+/// added to the config. Returns once the pool had time to fill, so slot creation is not
+/// on a measured path.
+pub fn start_server(work: &Path, extension: Option<&Extension>, extra: &str) -> Server {
+    let mut builder = Server::builder()
+        .dir(work)
+        .listen(&format!("127.0.0.1:{}", crate::common::free_port()))
+        .log_level("info")
+        .no_stdout()
+        .pool_min(2)
+        .vm(
+            "assets_dir",
+            format!("{:?}", assets_dir().display().to_string()),
         )
-        .unwrap();
-        let binary = std::env::var("AENV_BENCH_BINARY").unwrap_or_else(|_| {
-            concat!(env!("CARGO_MANIFEST_DIR"), "/target/release/agentenv").into()
-        });
-        let log = work.join("server.log");
-        let child = Command::new(binary)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            // No background build of the default template while measuring.
-            .env("AENV_TEMPLATES_BUILD_BASE", "false")
-            .env_remove("AENV_CUSTOM_EXTENSION_URL")
-            .env_remove("AENV_CUSTOM_EXTENSION_AUTH_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let server = BenchServer {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            agent: ureq::AgentBuilder::new()
-                .timeout(Duration::from_secs(180))
-                .build(),
-            log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while ureq::get(&format!("{}/health", server.base))
-            .call()
-            .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "{}",
-                server.failure("did not start")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        // Let the pool fill so slot creation is not on the measured path.
-        std::thread::sleep(Duration::from_millis(500));
-        server
+        .vm("default_memory_mb", MEMORY_MB)
+        .vm("default_disk_size_mb", DISK_MB)
+        .section(extra);
+    if let Some(binary) = std::env::var_os("AENV_BENCH_BINARY") {
+        builder = builder.binary(Path::new(&binary));
     }
-
-    /// The server's process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
+    if let Some(extension) = extension {
+        builder = builder.section(&format!(
+            "[custom_extension]\nurl = \"{}\"",
+            extension.url()
+        ));
     }
+    let server = builder.start();
+    std::thread::sleep(Duration::from_millis(500));
+    server
+}
 
-    /// `http://127.0.0.1:<port>`.
-    pub fn base(&self) -> &str {
-        &self.base
-    }
-
-    /// The last lines of the server's log, for a panic message.
-    pub fn failure(&self, what: &str) -> String {
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-        format!("the server {what}; its log ends with:\n{tail}")
-    }
-
-    /// One API call that must answer `want`; the JSON body (Null when empty).
-    pub fn call(&self, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
+/// What the benches do through the API, on the tests' [`Server`] (this bench crate
+/// includes tests/common, so its `Server` takes more methods here): calls that must answer
+/// a given status, on the server's kept-alive client, and the operations the benches time.
+impl Server {
+    /// One API call that must answer `want`; the JSON body.
+    pub fn call_expect(&self, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
         self.try_call(method, path, body, want)
             .unwrap_or_else(|e| panic!("{}", self.failure(&e)))
     }
 
-    /// [`BenchServer::call`], with what went wrong as an error.
+    /// [`Server::call_expect`], with what went wrong as an error.
     pub fn try_call(
         &self,
         method: &str,
@@ -284,25 +158,26 @@ impl BenchServer {
         body: Option<Value>,
         want: u16,
     ) -> Result<Value, String> {
-        let request = self
-            .agent
-            .request(method, &format!("{}{path}", self.base))
-            .set("X-API-Key", API_KEY);
-        let result = match body {
-            Some(body) => request.send_json(body),
-            None => request.call(),
-        };
-        let (status, text) = match result {
-            Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
-            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
-            Err(e) => return Err(format!("{method} {path}: {e}")),
-        };
+        let (status, v) = self.call_via(&self.keep_alive, method, path, body)?;
         if status != want {
             return Err(format!(
-                "answered {method} {path} with {status} (wanted {want}): {text}"
+                "answered {method} {path} with {status} (wanted {want}): {v}"
             ));
         }
-        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+        Ok(v)
+    }
+
+    /// The last lines of the server's log, for a panic message.
+    pub fn failure(&self, what: &str) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(30)..].join("\n");
+        format!("the server {what}; its log ends with:\n{tail}")
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the server runs").id()
     }
 
     /// Creates a sandbox from `template` and runs `true` in it; its id.
@@ -329,17 +204,21 @@ impl BenchServer {
 
     /// Builds a template from `image` with `POST /templates` and waits until it is ready.
     pub fn build_template(&self, image: &str, name: &str) -> String {
-        self.call(
+        self.call_expect(
             "POST",
             "/templates",
             Some(json!({"name": name, "image": image, "cpuCount": 1, "memoryMB": MEMORY_MB, "diskSizeMB": DISK_MB})),
             202,
         );
-        let deadline = Instant::now() + Duration::from_secs(180);
-        while self.call("GET", &format!("/templates/{name}"), None, 200)["buildStatus"] != "ready" {
-            assert!(Instant::now() < deadline, "template build did not finish");
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let ready = wait_until(Duration::from_secs(180), || {
+            self.call_expect("GET", &format!("/templates/{name}"), None, 200)["buildStatus"]
+                == "ready"
+        });
+        assert!(
+            ready,
+            "{}",
+            self.failure("did not finish the template build")
+        );
         name.to_string()
     }
 
@@ -351,7 +230,7 @@ impl BenchServer {
             json!({"cmd": "sh", "args": ["-c", script]})
         };
         let t = Instant::now();
-        let v = self.call(
+        let v = self.call_expect(
             "POST",
             &format!("/sandboxes/{id}/commands"),
             Some(body),
@@ -361,8 +240,9 @@ impl BenchServer {
         ms_since(t)
     }
 
+    /// Creates a sandbox from `image` with `POST /sandboxes-cold`; its id.
     pub fn create_cold(&self, image: &str) -> String {
-        let v = self.call(
+        let v = self.call_expect(
             "POST",
             "/sandboxes-cold",
             Some(json!({"image": image, "timeout": 600})),
@@ -371,15 +251,17 @@ impl BenchServer {
         v["sandboxID"].as_str().unwrap().to_string()
     }
 
+    /// Pauses the sandbox; the time to the 204.
     pub fn pause(&self, id: &str) -> f64 {
         let t = Instant::now();
-        self.call("POST", &format!("/sandboxes/{id}/pause"), None, 204);
+        self.call_expect("POST", &format!("/sandboxes/{id}/pause"), None, 204);
         ms_since(t)
     }
 
+    /// Resumes the sandbox; the time to the 201.
     pub fn resume(&self, id: &str) -> f64 {
         let t = Instant::now();
-        self.call(
+        self.call_expect(
             "POST",
             &format!("/sandboxes/{id}/resume"),
             Some(json!({"timeout": 600})),
@@ -388,9 +270,10 @@ impl BenchServer {
         ms_since(t)
     }
 
+    /// Snapshots the sandbox as template `name`; the time to the 201.
     pub fn snapshot(&self, id: &str, name: &str) -> f64 {
         let t = Instant::now();
-        self.call(
+        self.call_expect(
             "POST",
             &format!("/sandboxes/{id}/snapshots"),
             Some(json!({ "name": name })),
@@ -399,32 +282,18 @@ impl BenchServer {
         ms_since(t)
     }
 
-    /// The new sandbox's id and the time to its 201.
     /// Waits (up to 60 s) until a warm standby waits: a create then measures a hit.
     pub fn wait_standby(&self) {
-        let deadline = Instant::now() + std::time::Duration::from_secs(60);
-        while Instant::now() < deadline {
-            let text = ureq::get(&format!("{}/metrics", self.base))
-                .call()
-                .ok()
-                .and_then(|r| r.into_string().ok())
-                .unwrap_or_default();
-            let ready = text
-                .lines()
-                .find_map(|l| l.strip_prefix("agentenv_standby_vms{state=\"ready\"} "))
-                .and_then(|n| n.trim().parse::<u64>().ok())
-                .unwrap_or(0);
-            if ready > 0 {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        panic!("no standby became ready within 60 s");
+        let ready = wait_until(Duration::from_secs(60), || {
+            metric(self, "agentenv_standby_vms{state=\"ready\"}") > 0
+        });
+        assert!(ready, "no standby became ready within 60 s");
     }
 
+    /// Creates a sandbox from `template`: its id and the time to its 201.
     pub fn create_from_template(&self, template: &str) -> (String, f64) {
         let t = Instant::now();
-        let v = self.call(
+        let v = self.call_expect(
             "POST",
             "/sandboxes",
             Some(json!({"templateID": template, "timeout": 600})),
@@ -434,12 +303,14 @@ impl BenchServer {
         (v["sandboxID"].as_str().unwrap().to_string(), took)
     }
 
+    /// Deletes the sandbox.
     pub fn delete(&self, id: &str) {
-        self.call("DELETE", &format!("/sandboxes/{id}"), None, 204);
+        self.call_expect("DELETE", &format!("/sandboxes/{id}"), None, 204);
     }
 
+    /// Deletes the template.
     pub fn delete_template(&self, name: &str) {
-        self.call("DELETE", &format!("/templates/{name}"), None, 204);
+        self.call_expect("DELETE", &format!("/templates/{name}"), None, 204);
     }
 
     /// `GET /sandboxes/{id}` from `threads` clients for `duration`: the latencies and
@@ -472,18 +343,10 @@ impl BenchServer {
         (lat, rate)
     }
 
+    /// How many snapshots `GET /snapshots` lists.
     pub fn count_snapshots(&self) -> usize {
-        let v = self.call("GET", "/snapshots", None, 200);
+        let v = self.call_expect("GET", "/snapshots", None, 200);
         v.as_array().map_or(0, Vec::len)
-    }
-}
-
-impl Drop for BenchServer {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
     }
 }
 

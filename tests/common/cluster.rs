@@ -26,7 +26,7 @@
 //! them), the network namespaces deleted (their veths go with them). A run that was
 //! itself killed leaves its leftovers to the next run, whose start removes them first.
 
-use super::{rand_u64, vm_table, wait_until, Server, API_KEY};
+use super::{rand_u64, wait_until, Server};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -291,51 +291,27 @@ fn configure_node(name: &str, extra: &str) -> Server {
         std::process::id(),
         rand_u64()
     ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let state_dir = dir.join("state");
     let peers: Vec<String> = NODES
         .iter()
         .map(|n| format!("\"{}\"", node_url(n)))
         .collect();
-    let config = format!(
-        r#"
-[server]
-listen = "0.0.0.0:{NODE_PORT}"
-state_dir = "{state}"
-api_key = "{API_KEY}"
-
-[vm]
-{vm}
-[network]
-pool_min = 1
-
-[cluster]
-node = "{name}"
-advertise_url = "{url}"
-peers = [{peers}]
-{extra}
-"#,
-        state = state_dir.display(),
-        vm = vm_table(&[]),
-        url = node_url(name),
-        peers = peers.join(", "),
-    );
-    let config_path = dir.join("config.toml");
-    std::fs::write(&config_path, config).unwrap();
-    Server {
-        child: None,
-        binary: PathBuf::from(env!("CARGO_BIN_EXE_agentenv")),
-        launcher: vec![
+    Server::builder()
+        .dir(&dir)
+        .listen(&format!("0.0.0.0:{NODE_PORT}"))
+        .url(&node_url(name))
+        .launcher(vec![
             "nsenter".to_string(),
             format!("--net=/run/netns/{}", node_ns(name)),
             format!("--mount={}", mount_ns_file(name).display()),
             "--".to_string(),
-        ],
-        base: node_url(name),
-        state_dir,
-        log_path: dir.join("server.log"),
-        config_path,
-    }
+        ])
+        .section(&format!(
+            "[cluster]\nnode = \"{name}\"\nadvertise_url = \"{url}\"\npeers = [{peers}]",
+            url = node_url(name),
+            peers = peers.join(", "),
+        ))
+        .section(extra)
+        .configure()
 }
 
 /// HAProxy on deploy/haproxy/haproxy.cfg, as it is, in the lan namespace. The returned
@@ -362,10 +338,13 @@ fn start_haproxy() -> Server {
         child: Some(child),
         binary: PathBuf::from("haproxy"),
         launcher: Vec::new(),
+        log_level: String::new(),
+        stdout_to_log: true,
         base: format!("http://{LB_ADDR}"),
         state_dir: dir.join("state"),
         log_path,
         config_path: PathBuf::from(config),
+        keep_alive: super::client(),
     }
 }
 

@@ -220,6 +220,22 @@ impl Extension {
             .collect()
     }
 
+    /// How many requests for `hook` arrived.
+    pub fn count(&self, hook: &str) -> usize {
+        let st = self.shared.state.lock().unwrap();
+        st.requests.iter().filter(|r| r.hook == hook).count()
+    }
+
+    /// When the last request for `hook` had arrived, if one did.
+    pub fn last_at(&self, hook: &str) -> Option<Instant> {
+        let st = self.shared.state.lock().unwrap();
+        st.requests
+            .iter()
+            .rev()
+            .find(|r| r.hook == hook)
+            .map(|r| r.at)
+    }
+
     /// The status the extension answered (or is answering) request `r` with; `None` for
     /// a request closed, hung or cut off without a status line.
     pub fn answer_of(&self, r: &Recorded) -> Option<u16> {

@@ -49,66 +49,132 @@ pub struct Server {
     /// A program and its arguments the binary is run under (e.g. `nsenter` into a test's
     /// namespaces, tests/common/cluster.rs); empty: the binary is run directly.
     pub launcher: Vec<String>,
+    /// `RUST_LOG` for the process.
+    pub log_level: String,
+    /// The process's stdout goes to the log with its stderr; `false`: to /dev/null.
+    pub stdout_to_log: bool,
     pub base: String,
     pub state_dir: PathBuf,
     pub log_path: PathBuf,
     pub config_path: PathBuf,
+    /// A client that keeps its connections open from call to call, as an SDK does (the
+    /// benches' client); [`Server::call`] opens a new one each call. Made anew at every
+    /// spawn, so it holds no connection to an earlier process.
+    pub keep_alive: ureq::Agent,
 }
 
-impl Server {
-    /// Starts a server with the given extra TOML appended to the test config.
-    pub fn start(extra_toml: &str) -> Server {
-        Server::start_full(&[], extra_toml)
+/// How to configure and start a [`Server`]: the test config (`[server]` on a free port,
+/// the test `[vm]` keys, `[network] pool_min = 1`) with whatever a test changes.
+pub struct ServerBuilder {
+    vm: Vec<(String, String)>,
+    server_keys: String,
+    sections: String,
+    env: Vec<(String, String)>,
+    binary: PathBuf,
+    dir: Option<PathBuf>,
+    launcher: Vec<String>,
+    log_level: String,
+    stdout_to_log: bool,
+    listen: Option<String>,
+    url: Option<String>,
+    pool_min: u32,
+}
+
+impl ServerBuilder {
+    /// Overrides the `[vm]` key `key` (the value is a TOML literal: `5`, `"\"/path\""`).
+    pub fn vm(mut self, key: &str, value: impl std::fmt::Display) -> Self {
+        self.vm.push((key.to_string(), value.to_string()));
+        self
     }
 
-    /// Starts a server with some `[vm]` keys overridden (values are TOML literals).
-    pub fn start_with_vm(vm: &[(&str, String)]) -> Server {
-        Server::start_full(vm, "")
+    /// Appends TOML lines to `[server]`.
+    pub fn server_keys(mut self, lines: &str) -> Self {
+        self.server_keys.push_str(lines);
+        self.server_keys.push('\n');
+        self
     }
 
-    /// Starts another server binary (e.g. one installed from the bundle) with some `[vm]`
-    /// keys overridden.
-    pub fn start_binary(binary: &Path, vm: &[(&str, String)]) -> Server {
-        let mut server = Server::configure(&scratch_dir(), vm, "");
-        server.binary = binary.to_path_buf();
-        server.spawn();
-        server
+    /// Appends TOML (whole sections) after `[network]`.
+    pub fn section(mut self, toml: &str) -> Self {
+        self.sections.push_str(toml);
+        self.sections.push('\n');
+        self
     }
 
-    /// Starts a server with extra `[server]` keys (TOML lines) and environment variables.
-    pub fn start_with_server_keys(server_keys: &str, env: &[(&str, &str)]) -> Server {
-        let mut server = Server::configure_full(&scratch_dir(), &[], server_keys, "");
-        server.spawn_with_env(env);
-        server
+    /// Sets `[network] pool_min` (1 unless said).
+    pub fn pool_min(mut self, slots: u32) -> Self {
+        self.pool_min = slots;
+        self
     }
 
-    fn start_full(vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
-        let mut server = Server::configure(&scratch_dir(), vm_overrides, extra_toml);
-        server.spawn();
-        server
+    /// An environment variable for the process [`ServerBuilder::start`] spawns (not for a
+    /// later [`Server::spawn`]).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
     }
 
-    /// Writes a config whose state dir is `<dir>/state`, without starting the process
-    /// (call [`Server::spawn`], or run the binary on `config_path` yourself).
-    pub fn configure(dir: &Path, vm_overrides: &[(&str, String)], extra_toml: &str) -> Server {
-        Server::configure_full(dir, vm_overrides, "", extra_toml)
+    /// Runs another server binary (e.g. one installed from the bundle).
+    pub fn binary(mut self, binary: &Path) -> Self {
+        self.binary = binary.to_path_buf();
+        self
     }
 
-    /// Like [`Server::configure`], with extra `[server]` keys (TOML lines).
-    pub fn configure_full(
-        dir: &Path,
-        vm_overrides: &[(&str, String)],
-        server_keys: &str,
-        extra_toml: &str,
-    ) -> Server {
-        let state_dir = dir.to_path_buf();
-        std::fs::create_dir_all(&state_dir).unwrap();
-        let port = free_port();
-        let config_path = state_dir.join("config.toml");
+    /// Keeps config, state dir (`<dir>/state`) and log in `dir` rather than a fresh
+    /// [`scratch_dir`]; the server's drop removes it unless the test failed.
+    pub fn dir(mut self, dir: &Path) -> Self {
+        self.dir = Some(dir.to_path_buf());
+        self
+    }
+
+    /// Runs the binary under `program args…` (see [`Server::launcher`]).
+    pub fn launcher(mut self, argv: Vec<String>) -> Self {
+        self.launcher = argv;
+        self
+    }
+
+    /// `RUST_LOG` for the process (`debug` unless said).
+    pub fn log_level(mut self, level: &str) -> Self {
+        self.log_level = level.to_string();
+        self
+    }
+
+    /// Sends the process's stdout to /dev/null (the log keeps its stderr).
+    pub fn no_stdout(mut self) -> Self {
+        self.stdout_to_log = false;
+        self
+    }
+
+    /// `[server] listen` (`0.0.0.0:<a free port>` unless said); the harness calls it on
+    /// 127.0.0.1 unless [`ServerBuilder::url`] says otherwise.
+    pub fn listen(mut self, addr: &str) -> Self {
+        self.listen = Some(addr.to_string());
+        self
+    }
+
+    /// The URL the harness calls the server on.
+    pub fn url(mut self, base: &str) -> Self {
+        self.url = Some(base.to_string());
+        self
+    }
+
+    /// Writes the config, without starting the process (call [`Server::spawn`], or run the
+    /// binary on `config_path` yourself).
+    pub fn configure(self) -> Server {
+        let dir = self.dir.unwrap_or_else(scratch_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let listen = self
+            .listen
+            .unwrap_or_else(|| format!("0.0.0.0:{}", free_port()));
+        let base = self
+            .url
+            .unwrap_or_else(|| format!("http://{}", listen.replace("0.0.0.0", "127.0.0.1")));
+        let state_dir = dir.join("state");
+        let config_path = dir.join("config.toml");
         let config = format!(
             r#"
 [server]
-listen = "0.0.0.0:{port}"
+listen = "{listen}"
 state_dir = "{state}"
 api_key = "{API_KEY}"
 {server_keys}
@@ -117,22 +183,62 @@ api_key = "{API_KEY}"
 {vm}
 
 [network]
-pool_min = 1
-{extra_toml}
+pool_min = {pool_min}
+{sections}
 "#,
-            state = state_dir.join("state").display(),
-            vm = vm_table(vm_overrides),
+            state = state_dir.display(),
+            server_keys = self.server_keys,
+            vm = vm_table(&self.vm),
+            pool_min = self.pool_min,
+            sections = self.sections,
         );
         std::fs::write(&config_path, config).unwrap();
         Server {
             child: None,
-            binary: PathBuf::from(env!("CARGO_BIN_EXE_agentenv")),
-            launcher: Vec::new(),
-            base: format!("http://127.0.0.1:{port}"),
-            state_dir: state_dir.join("state"),
-            log_path: state_dir.join("server.log"),
+            binary: self.binary,
+            launcher: self.launcher,
+            log_level: self.log_level,
+            stdout_to_log: self.stdout_to_log,
+            base,
+            state_dir,
+            log_path: dir.join("server.log"),
             config_path,
+            keep_alive: client(),
         }
+    }
+
+    /// Writes the config and starts the process; returns once `/health` answers.
+    pub fn start(mut self) -> Server {
+        let env = std::mem::take(&mut self.env);
+        let mut server = self.configure();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        server.spawn_with_env(&env);
+        server
+    }
+}
+
+impl Server {
+    /// A [`ServerBuilder`] on the test defaults.
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder {
+            vm: Vec::new(),
+            server_keys: String::new(),
+            sections: String::new(),
+            env: Vec::new(),
+            binary: PathBuf::from(env!("CARGO_BIN_EXE_agentenv")),
+            dir: None,
+            launcher: Vec::new(),
+            log_level: "debug".to_string(),
+            stdout_to_log: true,
+            listen: None,
+            url: None,
+            pool_min: 1,
+        }
+    }
+
+    /// Starts a server with the given extra TOML appended to the test config.
+    pub fn start(extra_toml: &str) -> Server {
+        Server::builder().section(extra_toml).start()
     }
 
     /// (Re)starts the process on the same config and state dir.
@@ -159,16 +265,24 @@ pool_min = 1
         let child = cmd
             .args(["serve", "--config"])
             .arg(&self.config_path)
-            .env("RUST_LOG", "debug")
+            .env("RUST_LOG", &self.log_level)
             // A test that wants the default template built at startup says so.
             .env("AENV_TEMPLATES_BUILD_BASE", "false")
+            // The config says which extension runs, not the shell the tests run from.
+            .env_remove("AENV_CUSTOM_EXTENSION_URL")
+            .env_remove("AENV_CUSTOM_EXTENSION_AUTH_TOKEN")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
+            .stdout(if self.stdout_to_log {
+                Stdio::from(log.try_clone().unwrap())
+            } else {
+                Stdio::null()
+            })
             .stderr(log)
             .spawn()
             .unwrap();
         self.child = Some(child);
+        self.keep_alive = client();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(resp) = ureq::get(&format!("{}/health", self.base))
@@ -219,10 +333,24 @@ pool_min = 1
         }
     }
 
+    /// One API call: the status and the body as JSON (a string when it is not JSON).
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let req = ureq::request(method, &format!("{}{}", self.base, path))
-            .set("X-API-Key", API_KEY)
-            .timeout(Duration::from_secs(180));
+        self.call_via(&client(), method, path, body)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Server::call`] through `agent` (e.g. one that keeps its connections), with what
+    /// failed before an answer as an error.
+    pub fn call_via(
+        &self,
+        agent: &ureq::Agent,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value), String> {
+        let req = agent
+            .request(method, &format!("{}{}", self.base, path))
+            .set("X-API-Key", API_KEY);
         let result = match body {
             Some(b) => req.send_json(b),
             None => req.call(),
@@ -230,12 +358,12 @@ pool_min = 1
         let resp = match result {
             Ok(r) => r,
             Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method} {path}: {e}"),
+            Err(e) => return Err(format!("{method} {path}: {e}")),
         };
         let status = resp.status();
         let text = resp.into_string().unwrap_or_default();
         let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        (status, value)
+        Ok((status, value))
     }
 
     /// Creates a sandbox from `image`, asserting 201.
@@ -308,8 +436,15 @@ impl Drop for Server {
     }
 }
 
+/// An HTTP client whose calls give up after 180 s.
+pub fn client() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(180))
+        .build()
+}
+
 /// The test `[vm]` keys, with overrides.
-pub fn vm_table(overrides: &[(&str, String)]) -> String {
+fn vm_table(overrides: &[(String, String)]) -> String {
     let mut keys = vec![
         (
             "assets_dir",
@@ -322,7 +457,7 @@ pub fn vm_table(overrides: &[(&str, String)]) -> String {
     ];
     for (k, v) in overrides {
         keys.retain(|(key, _)| key != k);
-        keys.push((k, v.clone()));
+        keys.push((k.as_str(), v.clone()));
     }
     keys.iter().map(|(k, v)| format!("{k} = {v}\n")).collect()
 }
@@ -339,6 +474,25 @@ pub fn rand_u64() -> u64 {
         .read_exact(&mut b)
         .unwrap();
     u64::from_le_bytes(b)
+}
+
+/// `n` uploads to sandbox `id` that send their head and 1000 bytes of an 8 MiB body, then
+/// stall until the returned connections are dropped.
+pub fn stalled_uploads(s: &Server, id: &str, n: usize) -> Vec<TcpStream> {
+    let addr = s.base.trim_start_matches("http://");
+    (0..n)
+        .map(|i| {
+            let mut c = TcpStream::connect(addr).unwrap();
+            write!(
+                c,
+                "PUT /sandboxes/{id}/files?path=/tmp/stalled-{i} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Length: {}\r\n\r\n",
+                8 << 20
+            )
+            .unwrap();
+            c.write_all(&[b'x'; 1000]).unwrap();
+            c
+        })
+        .collect()
 }
 
 /// Output of a host command, for inspecting the host.
