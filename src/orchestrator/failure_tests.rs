@@ -466,20 +466,15 @@ fn a_vm_that_dies_is_stopped_counted_and_its_files_quarantined() {
     let entry = rig.running("sb-1");
     let paused_dir = rig.registry.dir("sb-1");
     rig.vms.died.store(true, Ordering::SeqCst);
-    let reasons = |dir: &std::path::Path| {
+    // Quarantine writes an entry's `.reason`, then moves the entry: the moved directory
+    // is the last event of each, so that is what is waited for.
+    let moved = |dir: &std::path::Path| {
         std::fs::read_dir(dir).map_or(0, |d| {
-            d.filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .path()
-                    .extension()
-                    .is_some_and(|x| x == "reason")
-            })
-            .count()
+            d.filter(|e| e.as_ref().unwrap().path().is_dir()).count()
         })
     };
     let deadline = Instant::now() + Duration::from_secs(5);
-    while reasons(&rig.state_dir.join("quarantine")) < 2 && Instant::now() < deadline {
+    while moved(&rig.state_dir.join("quarantine")) < 2 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     rig.vms.died.store(false, Ordering::SeqCst);
