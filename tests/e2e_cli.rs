@@ -1,15 +1,126 @@
 //! The command-line client (`agentenv sandbox|template|snapshot …`) against a real server:
-//! every subcommand, tables and `--json`, exit codes. Two cold boots (one sandbox, one
-//! template build); everything else restores. One test, because one server owns the host.
+//! every subcommand, tables and `--json`, exit codes.
+//!
+//! Fixture: one server shared by every test (see [`shared`]) and on it one snapshot of a
+//! cold-booted sandbox that tests restore their sandboxes from; the tests that check a
+//! boot (create, logs, a template build) boot their own. Each test makes its own
+//! sandboxes, snapshots and templates, and looks only at those in listings.
 
 mod common;
 
 use common::registry::{Auth, TestLayer, TestRegistry};
-use common::{base_image, Server, API_KEY};
-use serde_json::Value;
+use common::{base_image, id_of, Server, API_KEY};
+use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
+use std::ops::Deref;
 use std::process::{Command, Output, Stdio};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The shared server and how many tests use it; the last one out stops it.
+static SHARED: Mutex<Slot> = Mutex::new(Slot {
+    users: 0,
+    fixture: None,
+    failed: false,
+});
+
+/// The snapshot [`Fixture::restored_sandbox`] restores from.
+const ORIGIN: &str = "cli-origin";
+
+struct Slot {
+    users: usize,
+    fixture: Option<Arc<Fixture>>,
+    /// A test on this server failed: its state dir and log are kept.
+    failed: bool,
+}
+
+struct Fixture {
+    server: Server,
+    origin: OnceLock<()>,
+}
+
+impl Fixture {
+    fn cli(&self) -> Cli<'_> {
+        Cli {
+            server: &self.server,
+        }
+    }
+
+    /// A running sandbox (timeout 600 s) restored from a snapshot of a cold-booted one.
+    fn restored_sandbox(&self) -> String {
+        let s = &self.server;
+        self.origin.get_or_init(|| {
+            let id = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
+            let name = json!({ "name": ORIGIN });
+            let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(name));
+            assert_eq!(code, 201, "{v}");
+            assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+        });
+        self.cli()
+            .ok(&[
+                "sandbox",
+                "create",
+                "--template",
+                ORIGIN,
+                "--timeout",
+                "600",
+            ])
+            .trim()
+            .to_string()
+    }
+}
+
+/// A test's hold on the shared server.
+struct Shared {
+    fixture: Option<Arc<Fixture>>,
+}
+
+impl Deref for Shared {
+    type Target = Fixture;
+    fn deref(&self) -> &Fixture {
+        self.fixture.as_ref().unwrap()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let mut slot = lock(&SHARED);
+        self.fixture = None;
+        slot.failed |= std::thread::panicking();
+        slot.users -= 1;
+        if slot.users == 0 {
+            let failed = std::mem::take(&mut slot.failed);
+            let fixture = slot.fixture.take().and_then(Arc::into_inner);
+            let mut server = fixture.expect("no test holds the fixture").server;
+            server.stop();
+            if failed {
+                eprintln!("shared server kept in {}", server.state_dir.display());
+                std::mem::forget(server);
+            }
+        }
+    }
+}
+
+/// The shared server, started by the first test that asks and stopped by the last that
+/// leaves (statics are never dropped, so a server kept for the process would outlive it).
+fn shared() -> Shared {
+    let mut slot = lock(&SHARED);
+    let fixture = slot.fixture.get_or_insert_with(|| {
+        Arc::new(Fixture {
+            server: Server::start(""),
+            origin: OnceLock::new(),
+        })
+    });
+    let fixture = Arc::clone(fixture);
+    slot.users += 1;
+    Shared {
+        fixture: Some(fixture),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 struct Cli<'a> {
     server: &'a Server,
@@ -57,13 +168,33 @@ impl Cli<'_> {
     }
 }
 
-#[test]
-fn cli_drives_every_subcommand_against_a_real_server() {
-    let server = Server::start("");
-    let cli = Cli { server: &server };
-    let image = base_image();
+/// The ids `sandbox ls` lists.
+fn listed_sandboxes(cli: &Cli) -> Vec<String> {
+    let all = cli.json(&["sandbox", "ls"]);
+    all.as_array().unwrap().iter().map(id_of).collect()
+}
 
-    // Create (cold boot 1): the plain output is the id alone, for $(...).
+/// Whether `template ls` lists a template named `name`.
+fn template_listed(cli: &Cli, name: &str) -> bool {
+    let all = cli.json(&["template", "ls"]);
+    all.as_array().unwrap().iter().any(|t| has_name(t, name))
+}
+
+fn has_name(template: &Value, name: &str) -> bool {
+    template["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n == name)
+}
+
+/// Create (a cold boot): the plain output is the id alone, for $(...); `ls` and `info`
+/// show the sandbox, as a table and as JSON, filtered by metadata.
+#[test]
+fn sandbox_create_prints_the_id_and_ls_and_info_show_it() {
+    let f = shared();
+    let cli = f.cli();
+    let image = base_image();
     let id = cli
         .ok(&[
             "sandbox",
@@ -98,8 +229,15 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     let info = cli.json(&["sandbox", "info", &id]);
     assert_eq!(info["state"], "running");
     assert!(cli.ok(&["sandbox", "info", &id]).contains("memoryMB"));
+    cli.ok(&["sandbox", "rm", &id]);
+}
 
-    // exec: output to the right streams, and the command's exit code.
+/// Output to the right streams, the command's exit code; `--json`: one object at the end.
+#[test]
+fn exec_sends_output_to_its_streams_and_exits_with_the_command_code() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
     let out = cli.run(&[
         "sandbox",
         "exec",
@@ -115,272 +253,37 @@ fn cli_drives_every_subcommand_against_a_real_server() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out cli\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
     assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 0);
-    exec_streams_and_says_how_the_command_ended(&cli, &id);
-
-    // cp both ways, binary-safe.
-    let dir = std::env::temp_dir().join(format!("aenv-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let payload: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 256) as u8).collect();
-    std::fs::write(dir.join("up.bin"), &payload).unwrap();
-    let remote = format!("{id}:/root/sub dir/up.bin");
-    cli.ok(&[
-        "sandbox",
-        "cp",
-        dir.join("up.bin").to_str().unwrap(),
-        &remote,
-    ]);
-    cli.ok(&["sandbox", "cp", &remote, dir.to_str().unwrap()]);
-    assert_eq!(std::fs::read(dir.join("up.bin")).unwrap(), payload);
-    let size = cli.ok(&[
-        "sandbox",
-        "exec",
-        &id,
-        "--",
-        "wc",
-        "-c",
-        "/root/sub dir/up.bin",
-    ]);
-    assert!(size.starts_with("200000"), "{size}");
-    std::fs::remove_dir_all(&dir).unwrap();
-    // `-` is stdin / stdout.
-    let mut up = cli
-        .command(&["sandbox", "cp", "-", &format!("{id}:/tmp/piped")])
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    up.stdin
-        .take()
-        .unwrap()
-        .write_all(b"through a pipe\n")
-        .unwrap();
-    assert!(up.wait().unwrap().success());
-    assert_eq!(
-        cli.ok(&["sandbox", "cp", &format!("{id}:/tmp/piped"), "-"]),
-        "through a pipe\n"
-    );
-
-    // logs: the guest console (the agent's boot lines, and what the guest writes to it).
-    cli.ok(&[
+    let out = cli.run(&[
+        "--json",
         "sandbox",
         "exec",
         &id,
         "--",
         "sh",
         "-c",
-        "echo cli-console-mark > /dev/console",
+        "echo o; echo e >&2; exit 2",
     ]);
-    let logs = cli.ok(&["sandbox", "logs", &id, "--lines", "5000"]);
-    assert!(logs.contains("agentenv-agent"), "console:\n{logs}");
-    assert!(logs.contains("cli-console-mark"), "console:\n{logs}");
-    assert!(
-        cli.ok(&["sandbox", "logs", &id, "--lines", "3"])
-            .lines()
-            .count()
-            <= 3
-    );
-
-    // snapshot, then pause / resume, then a sandbox from the snapshot.
-    let snap = cli
-        .ok(&["snapshot", "create", &id, "--name", "cli-snap"])
-        .trim()
-        .to_string();
-    let snaps = cli.ok(&["snapshot", "ls", "--sandbox", &id]);
-    assert!(
-        snaps
-            .lines()
-            .any(|l| l.starts_with(&snap) && l.contains("cli-snap")),
-        "{snaps}"
-    );
-    assert_eq!(
-        cli.json(&["snapshot", "info", "cli-snap"])["snapshotID"],
-        snap.as_str()
-    );
-    cli.ok(&["sandbox", "pause", &id]);
-    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "paused");
-    // A paused sandbox runs no commands: 409 → exit 5.
-    assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 5);
-    cli.ok(&["sandbox", "resume", &id, "--timeout", "600"]);
-    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "running");
-    // resume of a running sandbox only extends its time to live.
-    let before = cli.json(&["sandbox", "info", &id])["endAt"].clone();
-    assert_eq!(
-        cli.ok(&["sandbox", "resume", &id, "--timeout", "900"])
-            .trim(),
-        id
-    );
-    let after = cli.json(&["sandbox", "info", &id]);
-    assert_eq!(after["state"], "running");
-    assert!(
-        after["endAt"].as_str() > before.as_str(),
-        "{before} -> {after}"
-    );
-    let child = cli
-        .ok(&["sandbox", "create", "--template", "cli-snap"])
-        .trim()
-        .to_string();
-    let seen = cli.ok(&[
-        "sandbox",
-        "exec",
-        &child,
-        "--",
-        "wc",
-        "-c",
-        "/root/sub dir/up.bin",
-    ]);
-    assert!(seen.starts_with("200000"), "{seen}");
-
-    // template build (cold boot 2) from a registry on loopback: plain progress lines off
-    // a terminal (phases, the image's bytes), then ready.
-    let registry = TestRegistry::start(Auth::Anonymous);
-    let (reference, layer_bytes) = push_bootable_image(&registry);
-    let out = cli.run(&[
-        "template",
-        "build",
-        "cli-tpl",
-        "--image",
-        &reference,
-        "--start-cmd",
-        "echo built > /etc/cli-mark",
-    ]);
-    let progress = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        out.status.success(),
-        "build failed: {progress}\n{}",
-        server.log()
-    );
-    for phase in ["booting", "ready"] {
-        assert!(
-            progress.contains(&format!(": {phase} after ")),
-            "no {phase} line:\n{progress}"
-        );
-    }
-    assert!(
-        progress.contains(&format!(
-            "cli-tpl: pulled {layer_bytes} of {layer_bytes} bytes (100%)"
-        )),
-        "no pulled-bytes line for {layer_bytes} bytes:\n{progress}"
-    );
-    let built = cli.json(&["template", "ls"]);
-    assert_eq!(built[0]["progress"]["phase"], "ready", "{built}");
-    assert_eq!(built[0]["progress"]["pullBytesTotal"], layer_bytes);
-    let templates = cli.ok(&["template", "ls"]);
-    let row = templates
-        .lines()
-        .find(|l| l.starts_with("cli-tpl"))
-        .expect("template in ls");
-    assert!(row.contains("ready"), "{row}");
-    let from_tpl = cli
-        .ok(&["sandbox", "create", "--template", "cli-tpl"])
-        .trim()
-        .to_string();
-    assert_eq!(
-        cli.ok(&["sandbox", "exec", &from_tpl, "--", "cat", "/etc/cli-mark"]),
-        "built\n"
-    );
-    // Builds that fail (no such tag; no VM boots): --json prints the final template and
-    // the exit code is 8; on a terminal the bar ends on the failed phase.
-    let missing = format!("{}/cli:missing", registry.addr);
-    // --no-wait: the id at once; the build goes on (and fails) in the background.
-    let queued = cli
-        .ok(&[
-            "template",
-            "build",
-            "cli-later",
-            "--image",
-            &missing,
-            "--no-wait",
-        ])
-        .trim()
-        .to_string();
-    assert!(
-        common::wait_until(std::time::Duration::from_secs(30), || {
-            cli.json(&["template", "ls"])
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|t| t["templateID"] == queued.as_str() && t["buildStatus"] == "error")
-        }),
-        "the --no-wait build {queued} did not end"
-    );
-    let out = cli.run(&[
-        "--json", "template", "build", "cli-bad", "--image", &missing,
-    ]);
-    assert_eq!(out.status.code(), Some(8), "{out:?}");
+    assert_eq!(out.status.code(), Some(2));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["buildStatus"], "error", "{v}");
-    assert_eq!(v["progress"]["phase"], "failed", "{v}");
-    assert!(v["reason"].as_str().unwrap().contains("cli:missing"), "{v}");
-    let agentenv = env!("CARGO_BIN_EXE_agentenv");
-    let out = Command::new("script")
-        .args([
-            "-qec",
-            &format!("{agentenv} template build cli-bad-tty --image {missing}"),
-            "/dev/null",
-        ])
-        .env("AENV_URL", &server.base)
-        .env("AENV_API_KEY", API_KEY)
-        .env_remove("AENV_CONFIG_PATH")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let screen = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(8), "{screen}");
-    assert!(
-        screen.contains("cli-bad-tty [") && screen.contains("failed"),
-        "no progress bar on a terminal:\n{screen}"
-    );
-    drop(registry);
-
-    // Errors say what failed.
-    let unknown = "0190d5a0-0000-7000-8000-000000000000";
-    assert_eq!(cli.code(&["sandbox", "info", unknown]), 4);
-    assert_eq!(
-        cli.command(&["sandbox", "ls"])
-            .env("AENV_API_KEY", "wrong-key-0123456789-0123456789-x")
-            .output()
-            .unwrap()
-            .status
-            .code(),
-        Some(6)
-    );
-    assert_eq!(
-        cli.command(&["sandbox", "ls"])
-            .env("AENV_URL", "http://127.0.0.1:1")
-            .output()
-            .unwrap()
-            .status
-            .code(),
-        Some(3)
-    );
-    assert_eq!(cli.code(&["sandbox", "frobnicate"]), 2);
-    assert_eq!(cli.code(&["sandbox", "ls", "--bogus", "x"]), 2);
-
-    // rm, several at once; snapshots and templates by name.
-    cli.ok(&["sandbox", "rm", &id, &child, &from_tpl]);
-    assert_eq!(cli.json(&["sandbox", "ls"]), Value::Array(vec![]));
-    cli.ok(&["snapshot", "rm", "cli-snap"]);
-    cli.ok(&[
-        "template",
-        "rm",
-        "cli-tpl",
-        "cli-bad",
-        "cli-bad-tty",
-        "cli-later",
-    ]);
-    assert_eq!(cli.json(&["template", "ls"]), Value::Array(vec![]));
-    assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
+    assert_eq!(v["exitCode"], 2);
+    assert_eq!(v["stdout"], "o\n");
+    assert_eq!(v["stderr"], "e\n");
+    cli.ok(&["sandbox", "rm", &id]);
 }
 
-/// `sandbox exec` streams: the command's first line reaches the CLI's stdout while the
-/// command still runs (it waits for a file the test creates only after reading that
-/// line), then signals, `--timeout`, a command that cannot start, `--stdin`.
-fn exec_streams_and_says_how_the_command_ended(cli: &Cli, id: &str) {
+/// The command's first line reaches the CLI's stdout while the command still runs (it
+/// waits for a file the test creates only after reading that line).
+#[test]
+fn exec_streams_output_while_the_command_runs() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
     let started = Instant::now();
     let mut child = cli
         .command(&[
             "sandbox",
             "exec",
-            id,
+            &id,
             "--",
             "sh",
             "-c",
@@ -406,63 +309,68 @@ fn exec_streams_and_says_how_the_command_ended(cli: &Cli, id: &str) {
     );
     // Another exec lets the first command go on.
     assert_eq!(
-        cli.code(&["sandbox", "exec", id, "--", "touch", "/tmp/cli-go"]),
+        cli.code(&["sandbox", "exec", &id, "--", "touch", "/tmp/cli-go"]),
         0
     );
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
     let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    stderr.read_to_string(&mut err).unwrap();
     assert_eq!(rest, "second\n");
     assert_eq!(err, "late\n");
     assert_eq!(child.wait().unwrap().code(), Some(4));
+    cli.ok(&["sandbox", "rm", &id]);
+}
 
-    // A signal: 128 + N, like a shell.
-    let out = cli.run(&["sandbox", "exec", id, "--", "sh", "-c", "kill -TERM $$"]);
+/// A signal: 128 + N, like a shell; `--timeout`: 124; a command that cannot start: 127;
+/// a sandbox that does not exist: 4.
+#[test]
+fn exec_exit_codes_say_how_the_command_ended() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
+    let out = cli.run(&["sandbox", "exec", &id, "--", "sh", "-c", "kill -TERM $$"]);
     assert_eq!(out.status.code(), Some(143), "{out:?}");
-    // --timeout kills the command: 124.
-    let out = cli.run(&["sandbox", "exec", id, "--timeout", "1", "--", "sleep", "30"]);
+    let out = cli.run(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--timeout",
+        "1",
+        "--",
+        "sleep",
+        "30",
+    ]);
     assert_eq!(out.status.code(), Some(124), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
-    // A command that cannot be started: 127, and why.
-    let out = cli.run(&["sandbox", "exec", id, "--", "/no/such/program"]);
+    let out = cli.run(&["sandbox", "exec", &id, "--", "/no/such/program"]);
     assert_eq!(out.status.code(), Some(127), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("could not be started"),
         "{out:?}"
     );
-    // Another user's view: --user.
+    let unknown = "0190d5a0-0000-7000-8000-000000000000";
+    assert_eq!(cli.code(&["sandbox", "exec", unknown, "--", "true"]), 4);
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// `--user` runs the command as another user; `--stdin`: the client's stdin reaches the
+/// command, EOF included.
+#[test]
+fn exec_runs_as_another_user_and_passes_stdin_through() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
     assert_eq!(
-        cli.ok(&["sandbox", "exec", id, "--user", "user", "--", "id", "-un"]),
+        cli.ok(&["sandbox", "exec", &id, "--user", "user", "--", "id", "-un"]),
         "user\n"
     );
-    // --json: one object at the end.
-    let out = cli.run(&[
-        "--json",
-        "sandbox",
-        "exec",
-        id,
-        "--",
-        "sh",
-        "-c",
-        "echo o; echo e >&2; exit 2",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["exitCode"], 2);
-    assert_eq!(v["stdout"], "o\n");
-    assert_eq!(v["stderr"], "e\n");
-    // --stdin: the client's stdin reaches the command, EOF included.
     let mut child = cli
         .command(&[
             "sandbox",
             "exec",
-            id,
+            &id,
             "--stdin",
             "--",
             "sh",
@@ -474,27 +382,314 @@ fn exec_streams_and_says_how_the_command_ended(cli: &Cli, id: &str) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(&[b'x'; 100_000])
-        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&[b'x'; 100_000]).unwrap();
+    drop(stdin);
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "100000");
     assert!(out.stderr.is_empty());
-    // A sandbox that does not exist: 4.
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// `cp` both ways, binary-safe, into a path with a space; `-` is stdin / stdout.
+#[test]
+fn cp_copies_both_ways_binary_safe_and_through_pipes() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
+    let dir = std::env::temp_dir().join(format!("aenv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    let local = dir.join("up.bin");
+    std::fs::write(&local, &payload).unwrap();
+    let remote = format!("{id}:/root/sub dir/up.bin");
+    cli.ok(&["sandbox", "cp", local.to_str().unwrap(), &remote]);
+    cli.ok(&["sandbox", "cp", &remote, dir.to_str().unwrap()]);
+    assert_eq!(std::fs::read(&local).unwrap(), payload);
+    let wc = [
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "wc",
+        "-c",
+        "/root/sub dir/up.bin",
+    ];
+    let size = cli.ok(&wc);
+    assert!(size.starts_with("200000"), "{size}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let mut up = cli
+        .command(&["sandbox", "cp", "-", &format!("{id}:/tmp/piped")])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = up.stdin.take().unwrap();
+    stdin.write_all(b"through a pipe\n").unwrap();
+    drop(stdin);
+    assert!(up.wait().unwrap().success());
     assert_eq!(
-        cli.code(&[
-            "sandbox",
-            "exec",
-            "0190d5a0-0000-7000-8000-000000000000",
-            "--",
-            "true"
-        ]),
-        4
+        cli.ok(&["sandbox", "cp", &format!("{id}:/tmp/piped"), "-"]),
+        "through a pipe\n"
     );
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// `logs`: the guest console of a booted sandbox (the agent's boot lines, and what the
+/// guest writes to it), its last N lines.
+#[test]
+fn logs_show_the_guest_console() {
+    let f = shared();
+    let cli = f.cli();
+    let image = base_image();
+    let create = ["sandbox", "create", "--image", &image, "--timeout", "600"];
+    let id = cli.ok(&create).trim().to_string();
+    let mark = "echo cli-console-mark > /dev/console";
+    cli.ok(&["sandbox", "exec", &id, "--", "sh", "-c", mark]);
+    let logs = cli.ok(&["sandbox", "logs", &id, "--lines", "5000"]);
+    assert!(logs.contains("agentenv-agent"), "console:\n{logs}");
+    assert!(logs.contains("cli-console-mark"), "console:\n{logs}");
+    let last = cli.ok(&["sandbox", "logs", &id, "--lines", "3"]);
+    assert!(last.lines().count() <= 3);
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// `snapshot create|ls|info|rm`; a sandbox from the snapshot sees the disk; `sandbox rm`
+/// takes several ids.
+#[test]
+fn snapshots_are_listed_and_start_sandboxes_and_rm_takes_several() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
+    let write = "mkdir -p '/root/sub dir' && head -c 200000 /dev/zero > '/root/sub dir/up.bin'";
+    cli.ok(&["sandbox", "exec", &id, "--", "sh", "-c", write]);
+    let snap = cli
+        .ok(&["snapshot", "create", &id, "--name", "cli-snap"])
+        .trim()
+        .to_string();
+    let snaps = cli.ok(&["snapshot", "ls", "--sandbox", &id]);
+    assert!(
+        snaps
+            .lines()
+            .any(|l| l.starts_with(&snap) && l.contains("cli-snap")),
+        "{snaps}"
+    );
+    assert_eq!(
+        cli.json(&["snapshot", "info", "cli-snap"])["snapshotID"],
+        snap.as_str()
+    );
+    let child = cli
+        .ok(&["sandbox", "create", "--template", "cli-snap"])
+        .trim()
+        .to_string();
+    let wc = [
+        "sandbox",
+        "exec",
+        &child,
+        "--",
+        "wc",
+        "-c",
+        "/root/sub dir/up.bin",
+    ];
+    let seen = cli.ok(&wc);
+    assert!(seen.starts_with("200000"), "{seen}");
+
+    cli.ok(&["sandbox", "rm", &id, &child]);
+    let listed = listed_sandboxes(&cli);
+    assert!(
+        !listed.contains(&id) && !listed.contains(&child),
+        "{listed:?}"
+    );
+    cli.ok(&["snapshot", "rm", "cli-snap"]);
+    assert_eq!(cli.code(&["snapshot", "info", "cli-snap"]), 4);
+}
+
+/// `pause` and `resume` change the state; a paused sandbox runs no commands: 409 → exit 5.
+#[test]
+fn pause_and_resume_change_the_state_and_a_paused_sandbox_runs_no_commands() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
+    cli.ok(&["sandbox", "pause", &id]);
+    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "paused");
+    assert_eq!(cli.code(&["sandbox", "exec", &id, "--", "true"]), 5);
+    cli.ok(&["sandbox", "resume", &id, "--timeout", "600"]);
+    assert_eq!(cli.json(&["sandbox", "info", &id])["state"], "running");
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+#[test]
+fn resume_of_a_running_sandbox_only_extends_its_time_to_live() {
+    let f = shared();
+    let cli = f.cli();
+    let id = f.restored_sandbox();
+    let before = cli.json(&["sandbox", "info", &id])["endAt"].clone();
+    assert_eq!(
+        cli.ok(&["sandbox", "resume", &id, "--timeout", "900"])
+            .trim(),
+        id
+    );
+    let after = cli.json(&["sandbox", "info", &id]);
+    assert_eq!(after["state"], "running");
+    assert!(
+        after["endAt"].as_str() > before.as_str(),
+        "{before} -> {after}"
+    );
+    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// A build (a cold boot) from a registry on loopback: plain progress lines off a terminal
+/// (phases, the image's bytes), then ready; `ls` shows it; sandboxes start from it.
+#[test]
+fn template_build_shows_progress_and_the_template_starts_sandboxes() {
+    let f = shared();
+    let cli = f.cli();
+    let registry = TestRegistry::start(Auth::Anonymous);
+    let (reference, layer_bytes) = push_bootable_image(&registry);
+    let out = cli.run(&[
+        "template",
+        "build",
+        "cli-tpl",
+        "--image",
+        &reference,
+        "--start-cmd",
+        "echo built > /etc/cli-mark",
+    ]);
+    let progress = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "build failed: {progress}\n{}",
+        f.server.log()
+    );
+    for phase in ["booting", "ready"] {
+        assert!(
+            progress.contains(&format!(": {phase} after ")),
+            "no {phase} line:\n{progress}"
+        );
+    }
+    assert!(
+        progress.contains(&format!(
+            "cli-tpl: pulled {layer_bytes} of {layer_bytes} bytes (100%)"
+        )),
+        "no pulled-bytes line for {layer_bytes} bytes:\n{progress}"
+    );
+    let all = cli.json(&["template", "ls"]);
+    let built = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| has_name(t, "cli-tpl"));
+    let built = built.unwrap_or_else(|| panic!("cli-tpl not in {all}"));
+    assert_eq!(built["progress"]["phase"], "ready", "{built}");
+    assert_eq!(built["progress"]["pullBytesTotal"], layer_bytes);
+    let templates = cli.ok(&["template", "ls"]);
+    let row = templates
+        .lines()
+        .find(|l| l.starts_with("cli-tpl"))
+        .expect("template in ls");
+    assert!(row.contains("ready"), "{row}");
+    let from_tpl = cli
+        .ok(&["sandbox", "create", "--template", "cli-tpl"])
+        .trim()
+        .to_string();
+    assert_eq!(
+        cli.ok(&["sandbox", "exec", &from_tpl, "--", "cat", "/etc/cli-mark"]),
+        "built\n"
+    );
+    cli.ok(&["sandbox", "rm", &from_tpl]);
+    assert!(!listed_sandboxes(&cli).contains(&from_tpl));
+    cli.ok(&["template", "rm", "cli-tpl"]);
+    assert!(!template_listed(&cli, "cli-tpl"));
+}
+
+/// Builds that fail (no such tag; no VM boots): `--no-wait` prints the id at once and the
+/// build fails in the background; `--json` prints the final template and the exit code
+/// is 8; on a terminal the bar ends on the failed phase. `template rm` takes several.
+#[test]
+fn failed_template_builds_exit_8_and_say_why() {
+    let f = shared();
+    let cli = f.cli();
+    let registry = TestRegistry::start(Auth::Anonymous);
+    let missing = format!("{}/cli:missing", registry.addr);
+    let no_wait = [
+        "template",
+        "build",
+        "cli-later",
+        "--image",
+        &missing,
+        "--no-wait",
+    ];
+    let queued = cli.ok(&no_wait).trim().to_string();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || {
+            cli.json(&["template", "ls"])
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["templateID"] == queued.as_str() && t["buildStatus"] == "error")
+        }),
+        "the --no-wait build {queued} did not end"
+    );
+    let out = cli.run(&[
+        "--json", "template", "build", "cli-bad", "--image", &missing,
+    ]);
+    assert_eq!(out.status.code(), Some(8), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["buildStatus"], "error", "{v}");
+    assert_eq!(v["progress"]["phase"], "failed", "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("cli:missing"), "{v}");
+    let agentenv = env!("CARGO_BIN_EXE_agentenv");
+    let out = Command::new("script")
+        .args([
+            "-qec",
+            &format!("{agentenv} template build cli-bad-tty --image {missing}"),
+            "/dev/null",
+        ])
+        .env("AENV_URL", &f.server.base)
+        .env("AENV_API_KEY", API_KEY)
+        .env_remove("AENV_CONFIG_PATH")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(8), "{screen}");
+    assert!(
+        screen.contains("cli-bad-tty [") && screen.contains("failed"),
+        "no progress bar on a terminal:\n{screen}"
+    );
+    cli.ok(&["template", "rm", "cli-bad", "cli-bad-tty", "cli-later"]);
+    for name in ["cli-bad", "cli-bad-tty", "cli-later"] {
+        assert!(!template_listed(&cli, name), "{name} still listed");
+    }
+}
+
+/// Errors say what failed: unknown sandbox 4, wrong key 6, no server 3, usage 2.
+#[test]
+fn errors_exit_with_codes_that_say_what_failed() {
+    let f = shared();
+    let cli = f.cli();
+    let unknown = "0190d5a0-0000-7000-8000-000000000000";
+    assert_eq!(cli.code(&["sandbox", "info", unknown]), 4);
+    assert_eq!(
+        cli.command(&["sandbox", "ls"])
+            .env("AENV_API_KEY", "wrong-key-0123456789-0123456789-x")
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(6)
+    );
+    assert_eq!(
+        cli.command(&["sandbox", "ls"])
+            .env("AENV_URL", "http://127.0.0.1:1")
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(3)
+    );
+    assert_eq!(cli.code(&["sandbox", "frobnicate"]), 2);
+    assert_eq!(cli.code(&["sandbox", "ls", "--bogus", "x"]), 2);
 }
 
 /// Pushes a small bootable image (busybox, the directories a guest needs, 1 MiB of

@@ -2,106 +2,265 @@
 //! pause/resume keep memory, disk and params and change the instance; snapshots fire no
 //! hook; sandboxes from a snapshot inherit or override params and see the disk as of the
 //! capture; fork children; a graceful restart keeps paused sandboxes; concurrent
-//! lifecycle calls never answer 500. One cold boot serves every assertion.
+//! lifecycle calls never answer 500; templates built from images.
+//!
+//! Fixture: one server and one recording extension shared by every test but the restart
+//! (see [`shared`]), and on it one snapshot of a cold-booted sandbox that tests restore
+//! their sandboxes from. Each test makes its own sandboxes and looks only at the hooks for
+//! them. The restart test owns a server: it takes [`TURNS`] for writing, so it runs alone.
 
 mod common;
 
-use common::extension::Extension;
+use common::extension::{Extension, Recorded};
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-#[test]
-fn lifecycle_end_to_end() {
-    let ext = Extension::start();
-    let mut s = Server::start(&format!(
+/// Tests on the shared server hold it for reading; a test that owns a server (and so the
+/// host lock) holds it for writing.
+static TURNS: RwLock<()> = RwLock::new(());
+
+/// The shared server and how many tests use it; the last one out stops it.
+static SHARED: Mutex<Slot> = Mutex::new(Slot {
+    users: 0,
+    fixture: None,
+    failed: false,
+});
+
+/// Template builds take turns: the build test counts the build hooks of the window it ran.
+static BUILDS: Mutex<()> = Mutex::new(());
+
+/// The snapshot [`Fixture::restored_sandbox`] restores from.
+const ORIGIN: &str = "origin";
+
+struct Slot {
+    users: usize,
+    fixture: Option<Arc<Fixture>>,
+    /// A test on this server failed: its sandboxes may be left, so no leak check.
+    failed: bool,
+}
+
+struct Fixture {
+    server: Server,
+    ext: Extension,
+    origin: OnceLock<()>,
+}
+
+impl Fixture {
+    fn start() -> Fixture {
+        let ext = Extension::start();
+        let server = Server::start(&extension_config(&ext));
+        Fixture {
+            server,
+            ext,
+            origin: OnceLock::new(),
+        }
+    }
+
+    /// A running sandbox with [`params`], restored from a snapshot of a cold-booted
+    /// sandbox whose /root holds only `d` ("disk").
+    fn restored_sandbox(&self) -> String {
+        let s = &self.server;
+        self.origin.get_or_init(|| {
+            let id = cold_boot(s);
+            sh(s, &id, "echo disk > /root/d");
+            snapshot(s, &id, ORIGIN);
+            delete(s, &[&id]);
+        });
+        from_snapshot(s, ORIGIN, params())
+    }
+
+    /// Stops the server; unless a test failed, checks that nothing of it is left.
+    fn stop(mut self, failed: bool) {
+        if self.origin.get().is_some() {
+            self.server
+                .call("DELETE", &format!("/templates/{ORIGIN}"), None);
+        }
+        self.server.stop();
+        if failed || std::thread::panicking() {
+            eprintln!("shared server kept in {}", self.server.state_dir.display());
+            std::mem::forget(self.server);
+            return;
+        }
+        assert_nothing_left(&self.server);
+    }
+}
+
+/// A test's hold on the shared server.
+struct Shared {
+    fixture: Option<Arc<Fixture>>,
+    _turn: RwLockReadGuard<'static, ()>,
+}
+
+impl Deref for Shared {
+    type Target = Fixture;
+    fn deref(&self) -> &Fixture {
+        self.fixture.as_ref().unwrap()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let mut slot = lock(&SHARED);
+        self.fixture = None;
+        slot.failed |= std::thread::panicking();
+        slot.users -= 1;
+        if slot.users == 0 {
+            let failed = std::mem::take(&mut slot.failed);
+            let fixture = slot.fixture.take().and_then(Arc::into_inner);
+            fixture.expect("no test holds the fixture").stop(failed);
+        }
+    }
+}
+
+/// The shared server, started by the first test that asks and stopped by the last that
+/// leaves (statics are never dropped, so a server kept for the process would outlive it).
+fn shared() -> Shared {
+    let turn = TURNS.read().unwrap_or_else(PoisonError::into_inner);
+    let mut slot = lock(&SHARED);
+    let fixture = Arc::clone(
+        slot.fixture
+            .get_or_insert_with(|| Arc::new(Fixture::start())),
+    );
+    slot.users += 1;
+    Shared {
+        fixture: Some(fixture),
+        _turn: turn,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn extension_config(ext: &Extension) -> String {
+    format!(
         "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
         ext.url()
-    ));
-    let params = json!({"vpn": {"peers": ["10.8.0.2"]}});
-    let parent = id_of(&s.create(json!({
-        "image": base_image(), "timeout": 600, "customExtensionParams": params
-    })));
-    let fresh = ext.wait_for("start-fresh", 1, Duration::from_secs(5));
-    let first_instance = fresh[0].instance_id().to_string();
+    )
+}
 
-    let pid = sh(&s, &parent, "sleep 1000 >/dev/null 2>&1 & echo $!")
+fn params() -> Value {
+    json!({"vpn": {"peers": ["10.8.0.2"]}})
+}
+
+/// A sandbox cold-booted from the base image with [`params`]. Every cold boot in this
+/// file passes params: only template builds start with `{}`.
+fn cold_boot(s: &Server) -> String {
+    id_of(&s.create(json!({
+        "image": base_image(), "timeout": 600, "customExtensionParams": params()
+    })))
+}
+
+/// A sandbox from snapshot or template `template` (a name or an id).
+fn from_snapshot(s: &Server, template: impl Into<Value>, params: Value) -> String {
+    let body =
+        json!({"templateID": template.into(), "timeout": 600, "customExtensionParams": params});
+    let (code, v) = s.call("POST", "/sandboxes", Some(body));
+    assert_eq!(code, 201, "{v}");
+    id_of(&v)
+}
+
+fn snapshot(s: &Server, id: &str, name: &str) -> Value {
+    let body = json!({ "name": name });
+    let (code, snap) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(body));
+    assert_eq!(code, 201, "{snap}");
+    snap
+}
+
+fn fork(s: &Server, parent: &str, count: usize) -> Vec<String> {
+    let body = json!({ "count": count });
+    let (code, kids) = s.call("POST", &format!("/sandboxes/{parent}/fork"), Some(body));
+    assert_eq!(code, 201, "{kids}");
+    let kids = kids.as_array().unwrap();
+    kids.iter().map(|k| id_of(&k["sandbox"])).collect()
+}
+
+fn status_code(s: &Server, method: &str, path: &str) -> u16 {
+    s.call(method, path, None).0
+}
+
+fn delete(s: &Server, ids: &[&str]) {
+    for id in ids {
+        assert_eq!(status_code(s, "DELETE", &format!("/sandboxes/{id}")), 204);
+    }
+}
+
+/// Starts `sleep 1000` in the background; its pid.
+fn background_sleep(s: &Server, id: &str) -> String {
+    sh(s, id, "sleep 1000 >/dev/null 2>&1 & echo $!")
         .trim()
-        .to_string();
-    sh(&s, &parent, "echo mem > /dev/shm/m; echo disk > /root/d");
+        .to_string()
+}
 
-    // Pause: stop with the same pair, state paused, idempotent, wrong-state calls 409.
-    let (code, v) = s.call("POST", &format!("/sandboxes/{parent}/pause"), None);
+fn alive(s: &Server, id: &str, pid: &str) -> bool {
+    sh(s, id, &format!("kill -0 {pid} && echo alive")) == "alive\n"
+}
+
+/// Every hook request about sandbox `id`.
+fn hooks_for(ext: &Extension, id: &str) -> Vec<Recorded> {
+    let all = ext.requests();
+    all.into_iter().filter(|r| r.sandbox_id() == id).collect()
+}
+
+/// The `hook` requests about sandbox `id`.
+fn hook_for(ext: &Extension, hook: &str, id: &str) -> Vec<Recorded> {
+    let all = ext.requests_for(hook);
+    all.into_iter().filter(|r| r.sandbox_id() == id).collect()
+}
+
+fn stop_reason(r: &Recorded) -> Option<&str> {
+    r.header("X-Agentenv-Stop-Reason")
+}
+
+/// After a server stopped: no sandbox file, namespace, link or QEMU of it is left.
+fn assert_nothing_left(s: &Server) {
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+}
+
+#[test]
+fn pause_keeps_memory_disk_and_params_and_changes_the_instance() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let id = cold_boot(s);
+    let fresh = hook_for(ext, "start-fresh", &id);
+    assert_eq!(fresh.len(), 1);
+    let first_instance = fresh[0].instance_id().to_string();
+    let pid = background_sleep(s, &id);
+    sh(s, &id, "echo mem > /dev/shm/m; echo disk > /root/d");
+
+    // Pause: a stop with the same pair, state paused, no VM.
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
     assert_eq!(code, 204, "{v}");
-    let stops = ext.requests_for("stop");
+    let stops = hook_for(ext, "stop", &id);
     assert_eq!(stops.len(), 1);
     assert_eq!(stops[0].instance_id(), first_instance);
-    assert_eq!(stops[0].header("X-Agentenv-Stop-Reason"), Some("pause"));
-    let (_, d) = s.call("GET", &format!("/sandboxes/{parent}"), None);
+    assert_eq!(stop_reason(&stops[0]), Some("pause"));
+    let (_, d) = s.call("GET", &format!("/sandboxes/{id}"), None);
     assert_eq!(d["state"], "paused");
-    let hooks_before = ext.requests().len();
-    assert_eq!(
-        s.call("POST", &format!("/sandboxes/{parent}/pause"), None)
-            .0,
-        204
-    );
-    assert_eq!(
-        ext.requests().len(),
-        hooks_before,
-        "pause of a paused sandbox fires nothing"
-    );
-    let cmd = json!({"cmd": "true"});
-    assert_eq!(
-        s.call("POST", &format!("/sandboxes/{parent}/commands"), Some(cmd))
-            .0,
-        409
-    );
-    assert_eq!(
-        s.call("POST", &format!("/sandboxes/{parent}/snapshots"), None)
-            .0,
-        409
-    );
-    let patch = json!({"x": 1});
-    assert_eq!(
-        s.call(
-            "PATCH",
-            &format!("/sandboxes/{parent}/custom-extension-params"),
-            Some(patch)
-        )
-        .0,
-        409
-    );
-    let (code, p) = s.call(
-        "GET",
-        &format!("/sandboxes/{parent}/custom-extension-params"),
-        None,
-    );
-    assert_eq!((code, &p), (200, &params));
     assert!(
-        qemu_processes_with(&parent).is_empty(),
+        qemu_processes_with(&id).is_empty(),
         "a paused sandbox has no VM"
     );
 
     // Resume after 10 s: new instance after the stop, memory, disk, params and clock kept.
     std::thread::sleep(Duration::from_secs(10));
-    let (code, v) = s.call(
-        "POST",
-        &format!("/sandboxes/{parent}/connect"),
-        Some(json!({"timeout": 600})),
-    );
+    let connect = json!({"timeout": 600});
+    let (code, v) = s.call("POST", &format!("/sandboxes/{id}/connect"), Some(connect));
     assert_eq!(code, 201, "{v}");
-    let resumes = ext.requests_for("start-resume");
+    let resumes = hook_for(ext, "start-resume", &id);
     assert_eq!(resumes.len(), 1);
-    let resumed_instance = resumes[0].instance_id().to_string();
-    assert_ne!(resumed_instance, first_instance);
+    assert_ne!(resumes[0].instance_id(), first_instance);
     assert!(resumes[0].seq > stops[0].seq, "stop before start-resume");
-    assert_eq!(resumes[0].body["customExtensionParams"], params);
-    assert_eq!(
-        sh(&s, &parent, &format!("kill -0 {pid} && echo alive")),
-        "alive\n"
-    );
-    assert_eq!(sh(&s, &parent, "cat /dev/shm/m /root/d"), "mem\ndisk\n");
-    let guest: i64 = sh(&s, &parent, "date +%s").trim().parse().unwrap();
+    assert_eq!(resumes[0].body["customExtensionParams"], params());
+    assert!(alive(s, &id, &pid));
+    assert_eq!(sh(s, &id, "cat /dev/shm/m /root/d"), "mem\ndisk\n");
+    let guest: i64 = sh(s, &id, "date +%s").trim().parse().unwrap();
     let host = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -110,144 +269,185 @@ fn lifecycle_end_to_end() {
         (guest - host).abs() <= 2,
         "guest clock {guest} vs host {host}"
     );
-    let (code, _) = s.call(
-        "POST",
-        &format!("/sandboxes/{parent}/connect"),
-        Some(json!({"timeout": 600})),
+    delete(s, &[&id]);
+}
+
+#[test]
+fn a_paused_sandbox_refuses_commands_snapshots_and_param_patches_with_409() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let id = f.restored_sandbox();
+    assert_eq!(
+        status_code(s, "POST", &format!("/sandboxes/{id}/pause")),
+        204
     );
+    let hooks_before = hooks_for(ext, &id).len();
+    assert_eq!(
+        status_code(s, "POST", &format!("/sandboxes/{id}/pause")),
+        204
+    );
+    assert_eq!(
+        hooks_for(ext, &id).len(),
+        hooks_before,
+        "pause of a paused sandbox fires nothing"
+    );
+    let cmd = json!({"cmd": "true"});
+    let commands = s.call("POST", &format!("/sandboxes/{id}/commands"), Some(cmd));
+    assert_eq!(commands.0, 409);
+    assert_eq!(
+        status_code(s, "POST", &format!("/sandboxes/{id}/snapshots")),
+        409
+    );
+    let path = format!("/sandboxes/{id}/custom-extension-params");
+    assert_eq!(s.call("PATCH", &path, Some(json!({"x": 1}))).0, 409);
+    let (code, p) = s.call("GET", &path, None);
+    assert_eq!((code, &p), (200, &params()));
+    delete(s, &[&id]);
+}
+
+#[test]
+fn connect_on_a_running_sandbox_only_extends_its_ttl() {
+    let f = shared();
+    let s = &f.server;
+    let id = f.restored_sandbox();
+    let connect = json!({"timeout": 600});
+    let (code, _) = s.call("POST", &format!("/sandboxes/{id}/connect"), Some(connect));
     assert_eq!(
         code, 200,
         "connect on a running sandbox only extends its TTL"
     );
+    delete(s, &[&id]);
+}
 
-    // Snapshot: no hook, same instance; a name is unique.
-    let hooks_before = ext.requests().len();
-    let (code, snap) = s.call(
-        "POST",
-        &format!("/sandboxes/{parent}/snapshots"),
-        Some(json!({"name": "tpl1"})),
-    );
-    assert_eq!(code, 201, "{snap}");
-    assert_eq!(snap["names"], json!(["tpl1"]));
-    assert_eq!(ext.requests().len(), hooks_before, "snapshot fires nothing");
-    let (code, _) = s.call(
-        "POST",
-        &format!("/sandboxes/{parent}/snapshots"),
-        Some(json!({"name": "tpl1"})),
-    );
-    assert_eq!(code, 409);
-    let (code, got) = s.call("GET", "/snapshots/tpl1", None);
-    assert_eq!((code, &got["snapshotID"]), (200, &snap["snapshotID"]));
-    sh(&s, &parent, "echo later > /root/after");
-
-    // From the snapshot: `{}` inherits the params, others override; disk as of capture.
-    let inherit = id_of(
-        &s.call(
-            "POST",
-            "/sandboxes",
-            Some(json!({"templateID": "tpl1", "timeout": 600, "customExtensionParams": {}})),
-        )
-        .1,
-    );
-    let over = id_of(&s.call("POST", "/sandboxes", Some(json!({"templateID": snap["snapshotID"], "timeout": 600, "customExtensionParams": {"y": 2}}))).1);
-    let by_sandbox = |id: &str| {
-        ext.requests_for("start-resume")
-            .into_iter()
-            .find(|r| r.sandbox_id() == id)
-            .unwrap_or_else(|| panic!("no start-resume for {id}"))
-    };
-    assert_eq!(by_sandbox(&inherit).body["customExtensionParams"], params);
+#[test]
+fn snapshots_fire_no_hook_and_their_names_are_unique() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let id = f.restored_sandbox();
+    let hooks_before = hooks_for(ext, &id).len();
+    let snap = snapshot(s, &id, "unique");
+    assert_eq!(snap["names"], json!(["unique"]));
     assert_eq!(
-        by_sandbox(&over).body["customExtensionParams"],
+        hooks_for(ext, &id).len(),
+        hooks_before,
+        "snapshot fires nothing"
+    );
+    let again = json!({"name": "unique"});
+    let (code, _) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(again));
+    assert_eq!(code, 409);
+    let (code, got) = s.call("GET", "/snapshots/unique", None);
+    assert_eq!((code, &got["snapshotID"]), (200, &snap["snapshotID"]));
+    delete(s, &[&id]);
+    assert_eq!(status_code(s, "DELETE", "/templates/unique"), 204);
+}
+
+#[test]
+fn sandboxes_from_a_snapshot_inherit_or_override_params_and_see_the_disk_as_of_the_capture() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let parent = f.restored_sandbox();
+    let pid = background_sleep(s, &parent);
+    let snap = snapshot(s, &parent, "tpl1");
+    sh(s, &parent, "echo later > /root/after");
+
+    // `{}` inherits the params, others override.
+    let inherit = from_snapshot(s, "tpl1", json!({}));
+    let over = from_snapshot(s, snap["snapshotID"].clone(), json!({"y": 2}));
+    let resume_of = |id: &str| hook_for(ext, "start-resume", id).remove(0);
+    assert_eq!(resume_of(&inherit).body["customExtensionParams"], params());
+    assert_eq!(
+        resume_of(&over).body["customExtensionParams"],
         json!({"y": 2})
     );
-    assert_eq!(
-        s.call(
-            "GET",
-            &format!("/sandboxes/{inherit}/custom-extension-params"),
-            None
-        )
-        .1,
-        params
-    );
-    assert_eq!(
-        sh(
-            &s,
-            &inherit,
-            &format!("kill -0 {pid} && echo alive; cat /root/d; ls /root")
-        ),
-        "alive\ndisk\nd\n"
-    );
+    let path = format!("/sandboxes/{inherit}/custom-extension-params");
+    assert_eq!(s.call("GET", &path, None).1, params());
+    let script = format!("kill -0 {pid} && echo alive; cat /root/d; ls /root");
+    assert_eq!(sh(s, &inherit, &script), "alive\ndisk\nd\n");
     let (_, d) = s.call("GET", &format!("/sandboxes/{inherit}"), None);
     assert_eq!(d["templateID"], snap["snapshotID"]);
     assert_eq!(d["alias"], "tpl1");
-    assert!(
-        ext.requests_for("start-fresh").len() == 1,
-        "a template never cold-boots"
-    );
+    for id in [&inherit, &over] {
+        let fresh = hook_for(ext, "start-fresh", id);
+        assert!(fresh.is_empty(), "a template never cold-boots");
+    }
+    delete(s, &[&parent, &inherit, &over]);
+    assert_eq!(status_code(s, "DELETE", "/templates/tpl1"), 204);
+}
 
-    // Fork: two children, new ids, the parent's params, independent disks; the parent
-    // keeps its instance (no stop for it).
-    let stops_before = ext.requests_for("stop").len();
-    let (code, kids) = s.call(
-        "POST",
-        &format!("/sandboxes/{parent}/fork"),
-        Some(json!({"count": 2})),
-    );
-    assert_eq!(code, 201, "{kids}");
-    let kids: Vec<String> = kids
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| id_of(&k["sandbox"]))
-        .collect();
+#[test]
+fn fork_children_get_new_ids_the_parents_params_and_disks_of_their_own() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let parent = f.restored_sandbox();
+    sh(s, &parent, "echo later > /root/after");
+    // The parent keeps its instance: no stop for it.
+    let stops_before = hook_for(ext, "stop", &parent).len();
+    let kids = fork(s, &parent, 2);
     assert_eq!(kids.len(), 2);
     assert!(kids.iter().all(|k| *k != parent));
     for k in &kids {
-        assert_eq!(by_sandbox(k).body["customExtensionParams"], params);
+        let resume = hook_for(ext, "start-resume", k).remove(0);
+        assert_eq!(resume.body["customExtensionParams"], params());
     }
-    assert_eq!(ext.requests_for("stop").len(), stops_before);
-    sh(&s, &kids[0], "echo mine > /root/kid");
-    assert_eq!(sh(&s, &kids[1], "ls /root"), "after\nd\n");
-    assert_eq!(sh(&s, &parent, "ls /root"), "after\nd\n");
+    assert_eq!(hook_for(ext, "stop", &parent).len(), stops_before);
+    sh(s, &kids[0], "echo mine > /root/kid");
+    assert_eq!(sh(s, &kids[1], "ls /root"), "after\nd\n");
+    assert_eq!(sh(s, &parent, "ls /root"), "after\nd\n");
+    delete(s, &[&parent, &kids[0], &kids[1]]);
+}
 
-    // Concurrent pause + connect + delete on one sandbox: answers from the table only.
-    let target = kids[1].clone();
+#[test]
+fn concurrent_pause_connect_and_delete_never_answer_500() {
+    let f = shared();
+    let s = &f.server;
+    let parent = f.restored_sandbox();
+    let target = fork(s, &parent, 1).remove(0);
     let codes: Vec<u16> = std::thread::scope(|sc| {
-        let s = &s;
         let t = &target;
         let calls = [
-            sc.spawn(move || s.call("POST", &format!("/sandboxes/{t}/pause"), None).0),
+            sc.spawn(move || status_code(s, "POST", &format!("/sandboxes/{t}/pause"))),
             sc.spawn(move || {
-                s.call(
-                    "POST",
-                    &format!("/sandboxes/{t}/connect"),
-                    Some(json!({"timeout": 60})),
-                )
-                .0
+                let body = json!({"timeout": 60});
+                s.call("POST", &format!("/sandboxes/{t}/connect"), Some(body))
+                    .0
             }),
-            sc.spawn(move || s.call("DELETE", &format!("/sandboxes/{t}"), None).0),
+            sc.spawn(move || status_code(s, "DELETE", &format!("/sandboxes/{t}"))),
         ];
         calls.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    // Answers from the table only.
     assert!(
         codes.iter().all(|c| [200, 201, 204, 404, 409].contains(c)),
         "{codes:?}"
     );
     assert!(!codes.contains(&500));
-    assert_eq!(
-        s.call("GET", &format!("/sandboxes/{target}"), None).0,
-        404,
-        "{codes:?}"
-    );
+    let after = status_code(s, "GET", &format!("/sandboxes/{target}"));
+    assert_eq!(after, 404, "{codes:?}");
+    delete(s, &[&parent]);
+}
 
-    // Graceful restart: running sandboxes are paused (stop reason shutdown) and come back
-    // paused with their params.
+/// Running sandboxes (cold-booted, from a snapshot, forked) are paused at a graceful stop
+/// (stop reason shutdown) and come back paused with their params and processes; deleting
+/// their snapshot then never breaks them. Owns its server: the restart would stop every
+/// other test's sandboxes.
+#[test]
+fn a_graceful_restart_keeps_paused_sandboxes_even_after_their_snapshot_is_deleted() {
+    let _turn = TURNS.write().unwrap_or_else(PoisonError::into_inner);
+    let ext = Extension::start();
+    let mut s = Server::start(&extension_config(&ext));
+    let parent = cold_boot(&s);
+    let pid = background_sleep(&s, &parent);
+    sh(&s, &parent, "echo disk > /root/d");
+    snapshot(&s, &parent, "tpl1");
+    let inherit = from_snapshot(&s, "tpl1", json!({}));
+    let over = from_snapshot(&s, "tpl1", json!({"y": 2}));
+    let kid = fork(&s, &parent, 1).remove(0);
+
     s.stop();
     let shutdown_stops = ext
         .requests_for("stop")
         .into_iter()
-        .filter(|r| r.header("X-Agentenv-Stop-Reason") == Some("shutdown"))
+        .filter(|r| stop_reason(r) == Some("shutdown"))
         .count();
     assert_eq!(
         shutdown_stops, 4,
@@ -257,74 +457,50 @@ fn lifecycle_end_to_end() {
     s.spawn();
     let (_, list) = s.call("GET", "/v2/sandboxes?state=paused", None);
     assert_eq!(list.as_array().unwrap().len(), 4, "{list}");
+    let path = format!("/sandboxes/{parent}/custom-extension-params");
+    assert_eq!(s.call("GET", &path, None).1, params());
     assert_eq!(
-        s.call(
-            "GET",
-            &format!("/sandboxes/{parent}/custom-extension-params"),
-            None
-        )
-        .1,
-        params
+        status_code(&s, "POST", &format!("/sandboxes/{parent}/resume")),
+        201
     );
-    let (code, _) = s.call("POST", &format!("/sandboxes/{parent}/resume"), None);
-    assert_eq!(code, 201);
-    assert_eq!(
-        sh(&s, &parent, &format!("kill -0 {pid} && echo alive")),
-        "alive\n"
-    );
+    assert!(alive(&s, &parent, &pid));
 
-    // Deleting the template never breaks sandboxes made from it.
-    assert_eq!(s.call("DELETE", "/templates/tpl1", None).0, 204);
-    assert_eq!(s.call("GET", "/snapshots/tpl1", None).0, 404);
-    let (code, _) = s.call("POST", &format!("/sandboxes/{inherit}/resume"), None);
-    assert_eq!(code, 201);
+    // Deleting the snapshot never breaks sandboxes made from it.
+    assert_eq!(status_code(&s, "DELETE", "/templates/tpl1"), 204);
+    assert_eq!(status_code(&s, "GET", "/snapshots/tpl1"), 404);
+    assert_eq!(
+        status_code(&s, "POST", &format!("/sandboxes/{inherit}/resume")),
+        201
+    );
     assert_eq!(sh(&s, &inherit, "cat /root/d"), "disk\n");
 
-    templates_from_images(&s, &ext);
-
-    for id in [&parent, &inherit, &over, &kids[0]] {
-        assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
-    }
+    delete(&s, &[&parent, &inherit, &over, &kid]);
     s.stop();
-    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
-    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert_nothing_left(&s);
 }
 
 /// `POST /templates`: a build boots the image (start-fresh with `{}`), runs startCmd,
 /// captures and stops (reason template-build); sandboxes start from it by name. A failing
 /// startCmd ends in `error` with the exit code and stderr.
-fn templates_from_images(s: &Server, ext: &Extension) {
-    let fresh_before = ext.requests_for("start-fresh").len();
-    let (code, t) = s.call(
-        "POST",
-        "/templates",
-        Some(json!({
-            "name": "built", "image": base_image(), "memoryMB": 256, "cpuCount": 1,
-            "diskSizeMB": 1024, "envVars": {"WHO": "template"},
-            "startCmd": "echo $WHO > /root/built; sleep 1000 >/dev/null 2>&1 &"
-        })),
-    );
+#[test]
+fn a_template_build_boots_runs_start_cmd_and_stops_and_a_failing_one_ends_in_error() {
+    let f = shared();
+    let (s, ext) = (&f.server, &f.ext);
+    let _builds = lock(&BUILDS);
+    let seen_before = ext.requests().len();
+    let (code, t) = s.call("POST", "/templates", Some(template_body("built")));
     assert_eq!(code, 202, "{t}");
-    assert!(
-        ["waiting", "building"].contains(&t["buildStatus"].as_str().unwrap()),
-        "{t}"
+    let status = t["buildStatus"].as_str().unwrap();
+    assert!(["waiting", "building"].contains(&status), "{t}");
+    let again = json!({"name": "built", "image": base_image()});
+    assert_eq!(
+        s.call("POST", "/templates", Some(again)).0,
+        409,
+        "names are unique"
     );
-    let (code, _) = s.call(
-        "POST",
-        "/templates",
-        Some(json!({"name": "built", "image": base_image()})),
-    );
-    assert_eq!(code, 409, "names are unique");
-    let (code, bad) = s.call(
-        "POST",
-        "/templates",
-        Some(
-            json!({"name": "broken", "image": base_image(), "memoryMB": 256, "cpuCount": 1,
-                    "diskSizeMB": 1024, "startCmd": "echo oops >&2; exit 3"}),
-        ),
-    );
+    let broken = json!({"name": "broken", "image": base_image(), "memoryMB": 256,
+        "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "echo oops >&2; exit 3"});
+    let (code, bad) = s.call("POST", "/templates", Some(broken));
     assert_eq!(code, 202, "{bad}");
     let status = |name: &str| s.call("GET", &format!("/templates/{name}"), None).1;
     assert!(
@@ -340,47 +516,50 @@ fn templates_from_images(s: &Server, ext: &Extension) {
         reason.contains("code 3") && reason.contains("oops"),
         "{reason}"
     );
-    let fresh = ext.requests_for("start-fresh");
-    assert_eq!(fresh.len(), fresh_before + 2);
-    for r in &fresh[fresh_before..] {
-        assert_eq!(r.body["customExtensionParams"], json!({}));
+    // Every other cold boot here passes params: the `{}` ones are the two builds.
+    let seen = ext.requests()[seen_before..].to_vec();
+    let fresh: Vec<&Recorded> = seen
+        .iter()
+        .filter(|r| r.hook == "start-fresh" && r.body["customExtensionParams"] == json!({}))
+        .collect();
+    assert_eq!(fresh.len(), 2);
+    for r in fresh {
         let stop = ext
             .requests_for("stop")
             .into_iter()
             .find(|st| st.instance_id() == r.instance_id())
             .expect("the build sandbox was stopped");
-        assert_eq!(
-            stop.header("X-Agentenv-Stop-Reason"),
-            Some("template-build")
-        );
+        assert_eq!(stop_reason(&stop), Some("template-build"));
     }
     let (_, list) = s.call("GET", "/templates", None);
     assert_eq!(list.as_array().unwrap().len(), 2, "{list}");
-    assert_eq!(
-        s.call("GET", "/snapshots/built", None).0,
-        404,
-        "a build is not a snapshot"
-    );
-    let id = id_of(
-        &s.call(
-            "POST",
-            "/sandboxes",
-            Some(json!({"templateID": "built", "timeout": 60})),
-        )
-        .1,
-    );
-    assert_eq!(
-        sh(
-            s,
-            &id,
-            "cat /root/built; pidof sleep >/dev/null && echo running"
-        ),
-        "template\nrunning\n"
-    );
-    // The template's RAM file is mapped copy-on-write by the clone; a pause saves only
-    // the device state and the pages the clone changed (dirty-only), and links the
-    // template's files into the sandbox's dir, so it resumes even after the template is
-    // gone.
+    let snapshot_of_build = s.call("GET", "/snapshots/built", None).0;
+    assert_eq!(snapshot_of_build, 404, "a build is not a snapshot");
+    let id = from_template(s, "built");
+    let script = "cat /root/built; pidof sleep >/dev/null && echo running";
+    assert_eq!(sh(s, &id, script), "template\nrunning\n");
+    delete(s, &[&id]);
+    for name in ["built", "broken"] {
+        assert_eq!(s.call("DELETE", &format!("/templates/{name}"), None).0, 204);
+        assert_eq!(s.call("GET", &format!("/templates/{name}"), None).0, 404);
+    }
+}
+
+/// The template's RAM file is mapped copy-on-write by the clone; a pause saves only the
+/// device state and the pages the clone changed (dirty-only), and links the template's
+/// files into the sandbox's dir, so it resumes even after the template is gone.
+#[test]
+fn a_template_clone_pause_writes_only_changed_pages_and_outlives_its_template() {
+    let f = shared();
+    let s = &f.server;
+    let _builds = lock(&BUILDS);
+    let (code, t) = s.call("POST", "/templates", Some(template_body("cow")));
+    assert_eq!(code, 202, "{t}");
+    let ready = wait_until(Duration::from_secs(90), || {
+        s.call("GET", "/templates/cow", None).1["buildStatus"] == "ready"
+    });
+    assert!(ready, "template cow not ready:\n{}", s.log());
+    let id = from_template(s, "cow");
     sh(s, &id, "echo clone > /dev/shm/c");
     let paused = s.state_dir.join("sandboxes").join(&id).join("paused");
     let written = |what: &str| -> u64 {
@@ -393,58 +572,57 @@ fn templates_from_images(s: &Server, ext: &Extension) {
             })
             .sum()
     };
-    assert_eq!(
-        s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
-        204
-    );
+    let pause = format!("/sandboxes/{id}/pause");
+    let resume = format!("/sandboxes/{id}/resume");
+    assert_eq!(s.call("POST", &pause, None).0, 204);
     let idle = written("idle pause");
     assert!(
         idle < 24 << 20,
         "an idle template clone's pause wrote {idle} bytes"
     );
-    assert_eq!(s.call("DELETE", "/templates/built", None).0, 204);
-    for round in 0..2 {
-        assert_eq!(
-            s.call("POST", &format!("/sandboxes/{id}/resume"), None).0,
-            201
-        );
-        assert_eq!(
-            sh(
-                s,
-                &id,
-                "cat /root/built /dev/shm/c; pidof sleep >/dev/null && echo running"
-            ),
-            "template\nclone\nrunning\n",
-            "round {round}"
-        );
-        if round == 0 {
-            // 8 MiB the template never had; they must come back on the next resume.
-            sh(
-                s,
-                &id,
-                "head -c 8388608 /dev/urandom > /dev/shm/r; md5sum /dev/shm/r > /root/r.md5",
-            );
-        } else {
-            assert_eq!(
-                sh(s, &id, "md5sum -c /root/r.md5 >/dev/null && echo same"),
-                "same\n"
-            );
-        }
-        if round == 0 {
-            assert_eq!(
-                s.call("POST", &format!("/sandboxes/{id}/pause"), None).0,
-                204
-            );
-            let busy = written("pause after 8 MiB");
-            assert!(
-                busy >= idle + (8 << 20),
-                "{busy} bytes after 8 MiB, {idle} idle"
-            );
-        }
-    }
-    assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
-    for name in ["built", "broken"] {
-        assert_eq!(s.call("DELETE", &format!("/templates/{name}"), None).0, 204);
-        assert_eq!(s.call("GET", &format!("/templates/{name}"), None).0, 404);
-    }
+    assert_eq!(s.call("DELETE", "/templates/cow", None).0, 204);
+    let everything = "cat /root/built /dev/shm/c; pidof sleep >/dev/null && echo running";
+    // Round 0: 8 MiB the template never had, then a pause that writes them.
+    assert_eq!(s.call("POST", &resume, None).0, 201);
+    assert_eq!(
+        sh(s, &id, everything),
+        "template\nclone\nrunning\n",
+        "round 0"
+    );
+    let random = "head -c 8388608 /dev/urandom > /dev/shm/r; md5sum /dev/shm/r > /root/r.md5";
+    sh(s, &id, random);
+    assert_eq!(s.call("POST", &pause, None).0, 204);
+    let busy = written("pause after 8 MiB");
+    assert!(
+        busy >= idle + (8 << 20),
+        "{busy} bytes after 8 MiB, {idle} idle"
+    );
+    // Round 1: they come back on the next resume.
+    assert_eq!(s.call("POST", &resume, None).0, 201);
+    assert_eq!(
+        sh(s, &id, everything),
+        "template\nclone\nrunning\n",
+        "round 1"
+    );
+    let same = sh(s, &id, "md5sum -c /root/r.md5 >/dev/null && echo same");
+    assert_eq!(same, "same\n");
+    delete(s, &[&id]);
+    assert_eq!(s.call("DELETE", "/templates/cow", None).0, 204);
+    assert_eq!(s.call("GET", "/templates/cow", None).0, 404);
+}
+
+fn template_body(name: &str) -> Value {
+    json!({
+        "name": name, "image": base_image(), "memoryMB": 256, "cpuCount": 1,
+        "diskSizeMB": 1024, "envVars": {"WHO": "template"},
+        "startCmd": "echo $WHO > /root/built; sleep 1000 >/dev/null 2>&1 &"
+    })
+}
+
+/// A sandbox from template `name`, timeout 60 s.
+fn from_template(s: &Server, name: &str) -> String {
+    let body = json!({"templateID": name, "timeout": 60});
+    let (code, v) = s.call("POST", "/sandboxes", Some(body));
+    assert_eq!(code, 201, "{v}");
+    id_of(&v)
 }
