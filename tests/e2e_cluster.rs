@@ -514,7 +514,7 @@ fn lists_and_metrics_answer_every_nodes_sandboxes_through_any_node() {
         // n3 stopped (SIGSTOP: it takes connections and never answers): lists via n1
         // wait for it only up to the peer timeout (2 s), then answer without it.
         let n3 = c.node("n3").child.as_ref().unwrap().id().to_string();
-        run("kill", &["-STOP", &n3]);
+        stop_process(n3.parse().unwrap());
         // The list answers while n3 is still stopped (it never answers until SIGCONT
         // below), so n1 gave up on n3 by its peer timeout rather than waiting for it; the
         // log says why it left n3 out. No wall-clock bound: the event is the answer.

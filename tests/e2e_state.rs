@@ -443,7 +443,7 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
     // but its disk is kept in quarantine with the reason, never deleted.
     let pids = qemu_processes_with(&format!("sandboxes/{a}"));
     assert_eq!(pids.len(), 1, "{pids:?}");
-    host("kill", &["-STOP", &pids[0].to_string()]);
+    stop_process(pids[0]);
     let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
     assert_eq!(code, 500, "{v}");
     assert!(

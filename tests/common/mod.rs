@@ -579,6 +579,28 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_SERVER.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// SIGSTOPs process `pid` and waits (up to 10 s) until every one of its threads is
+/// stopped: `kill` returns before they are, and a thread already running may still answer
+/// a request in between.
+pub fn stop_process(pid: u32) {
+    host("kill", &["-STOP", &pid.to_string()]);
+    let all_stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
+            tasks.flatten().all(|t| {
+                std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                    stat.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.split_whitespace().next())
+                        .is_some_and(|state| state == "T")
+                })
+            })
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), all_stopped),
+        "process {pid} did not stop within 10 s of SIGSTOP"
+    );
+}
+
 /// Waits until `f` is true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
