@@ -487,11 +487,13 @@ impl Table {
     }
 }
 
-/// Starts the process a `StartRequest` describes; returns it with its first follower.
+/// Starts the process a `StartRequest` describes, killed by its output thread at
+/// `deadline`; returns it with its first follower.
 fn spawn(
     envd: &Envd,
     call: &Call,
     req: StartRequest,
+    deadline: Option<Instant>,
 ) -> Result<(Arc<Proc>, Receiver<Event>), RpcError> {
     let config = req.process.unwrap_or_default();
     if config.cmd.is_empty() {
@@ -568,7 +570,6 @@ fn spawn(
     });
     let first = proc.follow().expect("a new process has not ended");
     envd.processes.insert(proc.clone());
-    let deadline = call.timeout.map(|t| Instant::now() + t);
     let (p, reaper, table) = (proc.clone(), envd.reaper.clone(), envd.processes.clone());
     let spawned = std::thread::Builder::new()
         .name(format!("proc-{pid}"))
@@ -731,16 +732,15 @@ fn pump(
     table.ended(proc.pid);
 }
 
-/// Streams a process's events to `sink` until it ends, the client leaves, or the call's
-/// timeout passes (then `deadline_exceeded`; `Start` kills the process first).
+/// Streams a process's events to `sink` until it ends, the client leaves, or `deadline`
+/// (the call's timeout) passes (then `deadline_exceeded`; `Start` kills the process first).
 fn stream_events(
     proc: &Proc,
     events: Receiver<Event>,
-    call: &Call,
+    (call, deadline): (&Call, Option<Instant>),
     sink: &mut dyn MessageSink,
     kill_at_deadline: bool,
 ) -> Result<(), RpcError> {
-    let deadline = call.timeout.map(|t| Instant::now() + t);
     if sink
         .send(&json!({"event": {"start": {"pid": proc.pid}}}))
         .is_err()
@@ -804,8 +804,11 @@ pub fn start(
     sink: &mut dyn MessageSink,
 ) -> Result<(), RpcError> {
     let req: StartRequest = connect::parse(msg)?;
-    let (proc, events) = spawn(envd, call, req)?;
-    stream_events(&proc, events, call, sink, true)
+    // One deadline for the output thread that kills the process and for the stream that
+    // reports it: an end the kill caused is then always the timeout's.
+    let deadline = call.timeout.map(|t| Instant::now() + t);
+    let (proc, events) = spawn(envd, call, req, deadline)?;
+    stream_events(&proc, events, (call, deadline), sink, true)
 }
 
 /// `Connect` (server stream): re-attach to a running (or just ended) process.
@@ -818,7 +821,10 @@ pub fn connect(
     let req: SelectorRequest = connect::parse(msg)?;
     let proc = envd.processes.any(req.process)?;
     match proc.follow() {
-        Ok(events) => stream_events(&proc, events, call, sink, false),
+        Ok(events) => {
+            let deadline = call.timeout.map(|t| Instant::now() + t);
+            stream_events(&proc, events, (call, deadline), sink, false)
+        }
         Err(end) => {
             let start = json!({"event": {"start": {"pid": proc.pid}}});
             if sink.send(&start).is_ok() {
