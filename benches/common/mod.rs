@@ -136,7 +136,11 @@ pub fn start_server(work: &Path, extension: Option<&Extension>, extra: &str) -> 
         ));
     }
     let server = builder.start();
-    std::thread::sleep(Duration::from_millis(500));
+    // Slot creation stays off the measured path: wait (bounded) for the pool to fill.
+    let filled = wait_until(Duration::from_secs(10), || {
+        metric(&server, "agentenv_network_slots{state=\"pooled\"} ") >= 2
+    });
+    assert!(filled, "the network pool did not fill:\n{}", server.log());
     server
 }
 
