@@ -9,34 +9,41 @@
 mod common;
 
 use common::registry::{Auth, TestLayer, TestRegistry};
+use common::shared::{Hold, Shared};
 use common::{base_image, id_of, Server, API_KEY};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::ops::Deref;
 use std::process::{Command, Output, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// The shared server and how many tests use it; the last one out stops it.
-static SHARED: Mutex<Slot> = Mutex::new(Slot {
-    users: 0,
-    fixture: None,
-    failed: false,
-});
+/// The server every test shares.
+static SHARED: Shared<Fixture> = Shared::new();
 
 /// The snapshot [`Fixture::restored_sandbox`] restores from.
 const ORIGIN: &str = "cli-origin";
 
-struct Slot {
-    users: usize,
-    fixture: Option<Arc<Fixture>>,
-    /// A test on this server failed: its state dir and log are kept.
-    failed: bool,
-}
-
 struct Fixture {
     server: Server,
     origin: OnceLock<()>,
+}
+
+impl common::shared::Fixture for Fixture {
+    fn start() -> Fixture {
+        Fixture {
+            server: Server::start(""),
+            origin: OnceLock::new(),
+        }
+    }
+
+    /// Stops the server; after a failure its state dir and log are kept.
+    fn stop(mut self, failed: bool) {
+        self.server.stop();
+        if failed {
+            eprintln!("shared server kept in {}", self.server.state_dir.display());
+            std::mem::forget(self.server);
+        }
+    }
 }
 
 impl Fixture {
@@ -70,56 +77,9 @@ impl Fixture {
     }
 }
 
-/// A test's hold on the shared server.
-struct Shared {
-    fixture: Option<Arc<Fixture>>,
-}
-
-impl Deref for Shared {
-    type Target = Fixture;
-    fn deref(&self) -> &Fixture {
-        self.fixture.as_ref().unwrap()
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        let mut slot = lock(&SHARED);
-        self.fixture = None;
-        slot.failed |= std::thread::panicking();
-        slot.users -= 1;
-        if slot.users == 0 {
-            let failed = std::mem::take(&mut slot.failed);
-            let fixture = slot.fixture.take().and_then(Arc::into_inner);
-            let mut server = fixture.expect("no test holds the fixture").server;
-            server.stop();
-            if failed {
-                eprintln!("shared server kept in {}", server.state_dir.display());
-                std::mem::forget(server);
-            }
-        }
-    }
-}
-
-/// The shared server, started by the first test that asks and stopped by the last that
-/// leaves (statics are never dropped, so a server kept for the process would outlive it).
-fn shared() -> Shared {
-    let mut slot = lock(&SHARED);
-    let fixture = slot.fixture.get_or_insert_with(|| {
-        Arc::new(Fixture {
-            server: Server::start(""),
-            origin: OnceLock::new(),
-        })
-    });
-    let fixture = Arc::clone(fixture);
-    slot.users += 1;
-    Shared {
-        fixture: Some(fixture),
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+/// A hold on the shared server (started by the first test that asks).
+fn shared() -> Hold<Fixture> {
+    SHARED.hold()
 }
 
 struct Cli<'a> {

@@ -267,9 +267,11 @@ fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
         assert_eq!(get_with(b, &format!("/sandboxes/{id}"), &[]).0, 401);
         // A forward is counted once its answer has reached the client: wait for it.
         let answered = "agentenv_cluster_forwarded_total{node=\"n1\",result=\"answered\"}";
-        must(Duration::from_secs(10), "n2 never counted 7 forwards", || {
-            metric(b, answered) >= 7
-        });
+        must(
+            Duration::from_secs(10),
+            "n2 never counted 7 forwards",
+            || metric(b, answered) >= 7,
+        );
 
         // Already forwarded: answered by n3 itself, never forwarded again.
         let once = [("X-API-Key", API_KEY), ("X-Aenv-Forwarded-By", "n2")];
@@ -336,9 +338,11 @@ fn any_node_serves_another_nodes_sandbox_and_names_it_when_it_is_down() {
         assert_eq!(code, 502, "{text}");
         assert!(text.contains("node n1"), "{text}");
         let unreachable = "agentenv_cluster_forwarded_total{node=\"n1\",result=\"unreachable\"}";
-        must(Duration::from_secs(10), "n2 never counted 3 unreachable", || {
-            metric(b, unreachable) >= 3
-        });
+        must(
+            Duration::from_secs(10),
+            "n2 never counted 3 unreachable",
+            || metric(b, unreachable) >= 3,
+        );
         must(Duration::from_secs(20), "n2 never marked n1 silent", || {
             !knows(c.node("n2"), "n1")
         });

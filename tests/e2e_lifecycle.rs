@@ -7,27 +7,19 @@
 //! Fixture: one server and one recording extension shared by every test but the restart
 //! (see [`shared`]), and on it one snapshot of a cold-booted sandbox that tests restore
 //! their sandboxes from. Each test makes its own sandboxes and looks only at the hooks for
-//! them. The restart test owns a server: it takes [`TURNS`] for writing, so it runs alone.
+//! them. The restart test owns a server: it takes [`Shared::alone`], so it runs alone.
 
 mod common;
 
 use common::extension::{Extension, Recorded};
+use common::shared::{lock, Hold, Shared};
 use common::*;
 use serde_json::{json, Value};
-use std::ops::Deref;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Tests on the shared server hold it for reading; a test that owns a server (and so the
-/// host lock) holds it for writing.
-static TURNS: RwLock<()> = RwLock::new(());
-
-/// The shared server and how many tests use it; the last one out stops it.
-static SHARED: Mutex<Slot> = Mutex::new(Slot {
-    users: 0,
-    fixture: None,
-    failed: false,
-});
+/// The server every test but the restart shares.
+static SHARED: Shared<Fixture> = Shared::new();
 
 /// Template builds take turns: the build test counts the build hooks of the window it ran.
 static BUILDS: Mutex<()> = Mutex::new(());
@@ -35,20 +27,13 @@ static BUILDS: Mutex<()> = Mutex::new(());
 /// The snapshot [`Fixture::restored_sandbox`] restores from.
 const ORIGIN: &str = "origin";
 
-struct Slot {
-    users: usize,
-    fixture: Option<Arc<Fixture>>,
-    /// A test on this server failed: its sandboxes may be left, so no leak check.
-    failed: bool,
-}
-
 struct Fixture {
     server: Server,
     ext: Extension,
     origin: OnceLock<()>,
 }
 
-impl Fixture {
+impl common::shared::Fixture for Fixture {
     fn start() -> Fixture {
         let ext = Extension::start();
         let server = Server::start(&extension_config(&ext));
@@ -57,19 +42,6 @@ impl Fixture {
             ext,
             origin: OnceLock::new(),
         }
-    }
-
-    /// A running sandbox with [`params`], restored from a snapshot of a cold-booted
-    /// sandbox whose /root holds only `d` ("disk").
-    fn restored_sandbox(&self) -> String {
-        let s = &self.server;
-        self.origin.get_or_init(|| {
-            let id = cold_boot(s);
-            sh(s, &id, "echo disk > /root/d");
-            snapshot(s, &id, ORIGIN);
-            delete(s, &[&id]);
-        });
-        from_snapshot(s, ORIGIN, params())
     }
 
     /// Stops the server; unless a test failed, checks that nothing of it is left.
@@ -88,51 +60,24 @@ impl Fixture {
     }
 }
 
-/// A test's hold on the shared server.
-struct Shared {
-    fixture: Option<Arc<Fixture>>,
-    _turn: RwLockReadGuard<'static, ()>,
-}
-
-impl Deref for Shared {
-    type Target = Fixture;
-    fn deref(&self) -> &Fixture {
-        self.fixture.as_ref().unwrap()
+impl Fixture {
+    /// A running sandbox with [`params`], restored from a snapshot of a cold-booted
+    /// sandbox whose /root holds only `d` ("disk").
+    fn restored_sandbox(&self) -> String {
+        let s = &self.server;
+        self.origin.get_or_init(|| {
+            let id = cold_boot(s);
+            sh(s, &id, "echo disk > /root/d");
+            snapshot(s, &id, ORIGIN);
+            delete(s, &[&id]);
+        });
+        from_snapshot(s, ORIGIN, params())
     }
 }
 
-impl Drop for Shared {
-    fn drop(&mut self) {
-        let mut slot = lock(&SHARED);
-        self.fixture = None;
-        slot.failed |= std::thread::panicking();
-        slot.users -= 1;
-        if slot.users == 0 {
-            let failed = std::mem::take(&mut slot.failed);
-            let fixture = slot.fixture.take().and_then(Arc::into_inner);
-            fixture.expect("no test holds the fixture").stop(failed);
-        }
-    }
-}
-
-/// The shared server, started by the first test that asks and stopped by the last that
-/// leaves (statics are never dropped, so a server kept for the process would outlive it).
-fn shared() -> Shared {
-    let turn = TURNS.read().unwrap_or_else(PoisonError::into_inner);
-    let mut slot = lock(&SHARED);
-    let fixture = Arc::clone(
-        slot.fixture
-            .get_or_insert_with(|| Arc::new(Fixture::start())),
-    );
-    slot.users += 1;
-    Shared {
-        fixture: Some(fixture),
-        _turn: turn,
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+/// A hold on the shared server (started by the first test that asks).
+fn shared() -> Hold<Fixture> {
+    SHARED.hold()
 }
 
 fn extension_config(ext: &Extension) -> String {
@@ -432,7 +377,7 @@ fn concurrent_pause_connect_and_delete_never_answer_500() {
 /// other test's sandboxes.
 #[test]
 fn a_graceful_restart_keeps_paused_sandboxes_even_after_their_snapshot_is_deleted() {
-    let _turn = TURNS.write().unwrap_or_else(PoisonError::into_inner);
+    let _alone = SHARED.alone();
     let ext = Extension::start();
     let mut s = Server::start(&extension_config(&ext));
     let parent = cold_boot(&s);

@@ -13,6 +13,8 @@ pub mod loopfs;
 
 pub mod cluster;
 
+pub mod shared;
+
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -1,0 +1,102 @@
+//! One fixture (a server and what the tests of a binary build on it) shared by the tests
+//! of a binary that do not conflict: started by the first test that asks, stopped by the
+//! last that leaves. Statics are never dropped, so a fixture kept for the whole process
+//! would outlive it and leave its server behind; counting the holders avoids that.
+//!
+//! A test that needs the host to itself (it owns a server, or restarts one) takes
+//! [`Shared::alone`]: it waits for every holder to leave and keeps new ones out.
+
+#![allow(dead_code)]
+
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// What a binary shares: how it starts, and how it stops once the last test left.
+pub trait Fixture: Send + Sync + 'static {
+    fn start() -> Self;
+    /// Stops the fixture; `failed` says a test that held it failed (its sandboxes may be
+    /// left, so keep the state for a look rather than check for leftovers).
+    fn stop(self, failed: bool);
+}
+
+/// The one shared fixture of type `F` in a test binary: `static S: Shared<F> = Shared::new();`.
+pub struct Shared<F> {
+    slot: Mutex<Slot<F>>,
+    turns: RwLock<()>,
+}
+
+struct Slot<F> {
+    users: usize,
+    fixture: Option<Arc<F>>,
+    failed: bool,
+}
+
+impl<F: Fixture> Shared<F> {
+    pub const fn new() -> Self {
+        Shared {
+            slot: Mutex::new(Slot {
+                users: 0,
+                fixture: None,
+                failed: false,
+            }),
+            turns: RwLock::new(()),
+        }
+    }
+
+    /// A hold on the fixture, started if no test holds it.
+    pub fn hold(&'static self) -> Hold<F> {
+        let turn = self.turns.read().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = lock(&self.slot);
+        let fixture = Arc::clone(slot.fixture.get_or_insert_with(|| Arc::new(F::start())));
+        slot.users += 1;
+        Hold {
+            shared: self,
+            fixture: Some(fixture),
+            _turn: turn,
+        }
+    }
+
+    /// The host to this test alone: no fixture runs while the guard lives.
+    pub fn alone(&'static self) -> RwLockWriteGuard<'static, ()> {
+        self.turns.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<F: Fixture> Default for Shared<F> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A test's hold on the shared fixture; the last one dropped stops it.
+pub struct Hold<F: Fixture> {
+    shared: &'static Shared<F>,
+    fixture: Option<Arc<F>>,
+    _turn: RwLockReadGuard<'static, ()>,
+}
+
+impl<F: Fixture> Deref for Hold<F> {
+    type Target = F;
+    fn deref(&self) -> &F {
+        self.fixture.as_ref().expect("held until dropped")
+    }
+}
+
+impl<F: Fixture> Drop for Hold<F> {
+    fn drop(&mut self) {
+        let mut slot = lock(&self.shared.slot);
+        self.fixture = None;
+        slot.failed |= std::thread::panicking();
+        slot.users -= 1;
+        if slot.users == 0 {
+            let failed = std::mem::take(&mut slot.failed);
+            let fixture = slot.fixture.take().and_then(Arc::into_inner);
+            fixture.expect("no test holds the fixture").stop(failed);
+        }
+    }
+}
+
+/// A mutex's guard, poisoned or not (a failed test must not fail the ones after it).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
