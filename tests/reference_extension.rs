@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "refext-test-token";
@@ -202,74 +203,166 @@ impl Drop for TempDir {
     }
 }
 
-#[test]
-fn reference_extension_manages_its_table_in_a_real_namespace() {
-    let binary = build_example();
-    let netns = Netns::create(format!("aenv-reftest-{}", std::process::id()));
-    let agentenv_table = netns.table("ip agentenv").expect("fake agentenv table");
-    let state = TempDir(std::env::temp_dir().join(format!("aenv-reftest-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&state.0);
+/// The example, built once for the binary.
+fn example() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(build_example)
+}
 
-    let sandbox = uuid::Uuid::now_v7().to_string();
-    let instance = uuid::Uuid::now_v7().to_string();
-    let params = json!({
-        "firewall": {"allowTcpPorts": [8080], "denyCidrs": ["203.0.113.0/24"]},
+/// One test's extension and namespace, with a sandbox instance to send hooks for.
+struct Case {
+    extension: Option<Extension>,
+    state: TempDir,
+    netns: Netns,
+    /// agentenv's fake table as the namespace was made with it.
+    agentenv_table: String,
+    sandbox: String,
+    instance: String,
+    /// The start hook of the instance: firewall rules, bootArgs and a VPN peer.
+    start: Value,
+}
+
+impl Case {
+    /// A fresh namespace and state dir (`aenv-reftest-<pid>-<tag>`) and a running extension.
+    fn new(tag: &str) -> Case {
+        let name = format!("aenv-reftest-{}-{tag}", std::process::id());
+        let netns = Netns::create(name.clone());
+        let agentenv_table = netns.table("ip agentenv").expect("fake agentenv table");
+        let state = TempDir(std::env::temp_dir().join(name));
+        let _ = std::fs::remove_dir_all(&state.0);
+        let sandbox = uuid::Uuid::now_v7().to_string();
+        let instance = uuid::Uuid::now_v7().to_string();
+        let start = json!({
+            "sandboxId": sandbox,
+            "sandboxInstanceId": instance,
+            "networkNamespacePath": netns.path(),
+            "hostInteractionIp": "198.18.0.7",
+            "customExtensionParams": {
+                "firewall": {"allowTcpPorts": [8080], "denyCidrs": ["203.0.113.0/24"]},
+                "bootArgs": "quiet refext.test=1",
+                "vpn": {"peers": [{"name": "office", "endpoint": "198.51.100.7:51820"}]},
+            },
+        });
+        let extension = Some(Extension::start(example(), &state.0, 1));
+        Case {
+            extension,
+            state,
+            netns,
+            agentenv_table,
+            sandbox,
+            instance,
+            start,
+        }
+    }
+
+    fn ext(&self) -> &Extension {
+        self.extension.as_ref().expect("a running extension")
+    }
+
+    /// Stops the extension and starts it again on the same state dir.
+    fn restart(&mut self) {
+        self.extension = None;
+        self.extension = Some(Extension::start(example(), &self.state.0, 2));
+    }
+
+    fn table(&self) -> Option<String> {
+        self.netns.table("inet refext")
+    }
+
+    /// start-fresh of the instance, asserting 200.
+    fn start_fresh(&self) {
+        let (status, body) = self.ext().hook("start-fresh", self.start.clone());
+        assert_eq!(status, 200, "{body}");
+    }
+
+    /// patch-params with `patch` for the sandbox: status and body.
+    fn patch(&self, patch: Value) -> (u16, Value) {
+        let body = json!({"sandboxId": self.sandbox, "patch": patch});
+        self.ext().hook("patch-params", body)
+    }
+
+    /// The patch that replaces the firewall rules and the VPN peer, asserting 200.
+    fn patch_lab(&self) {
+        let (status, body) = self.patch(lab_patch());
+        assert_eq!(status, 200, "{body}");
+    }
+
+    fn stop_hook(&self, sandbox: &str, instance: &str) -> u16 {
+        let stop = json!({"sandboxId": sandbox, "sandboxInstanceId": instance});
+        self.ext().hook("stop", stop).0
+    }
+
+    /// agentenv's objects were never touched.
+    fn assert_agentenv_untouched(&self) {
+        assert_eq!(
+            self.netns.table("ip agentenv").as_deref(),
+            Some(self.agentenv_table.as_str())
+        );
+        let links = self.netns.links();
+        assert!(
+            links.contains(" veth0@") && links.contains(" tap0:"),
+            "{links}"
+        );
+    }
+}
+
+fn lab_patch() -> Value {
+    json!({
+        "firewall": {"allowTcpPorts": [9090, 3000], "denyCidrs": ["198.51.100.0/24"]},
+        "vpn": {"peers": [{"name": "lab", "endpoint": "192.0.2.1:51820"}]},
+    })
+}
+
+/// The params after [`lab_patch`].
+fn patched() -> Value {
+    json!({
+        "firewall": {"allowTcpPorts": [9090, 3000], "denyCidrs": ["198.51.100.0/24"]},
         "bootArgs": "quiet refext.test=1",
-        "vpn": {"peers": [{"name": "office", "endpoint": "198.51.100.7:51820"}]},
-    });
-    let start = json!({
-        "sandboxId": sandbox,
-        "sandboxInstanceId": instance,
-        "networkNamespacePath": netns.path(),
-        "hostInteractionIp": "198.18.0.7",
-        "customExtensionParams": params,
-    });
+        "vpn": {"peers": [{"name": "lab", "endpoint": "192.0.2.1:51820"}]},
+    })
+}
 
-    let extension = Extension::start(&binary, &state.0, 1);
-
-    // Authentication and routing come first: nothing is applied.
+/// Authentication and routing come first: nothing is applied.
+#[test]
+fn hooks_without_the_token_or_to_an_unknown_name_are_refused_and_change_nothing() {
+    let case = Case::new("auth");
     for token in [None, Some("wrong-token")] {
-        let (status, _) = extension.hook_with_token("start-fresh", start.clone(), token);
+        let (status, _) = case
+            .ext()
+            .hook_with_token("start-fresh", case.start.clone(), token);
         assert_eq!(status, 401, "token {token:?}");
     }
-    assert_eq!(extension.hook("no-such-hook", json!({})).0, 404);
-    assert_eq!(
-        netns.table("inet refext"),
-        None,
-        "rejected hooks changed nothing"
-    );
+    assert_eq!(case.ext().hook("no-such-hook", json!({})).0, 404);
+    assert_eq!(case.table(), None, "rejected hooks changed nothing");
+    case.assert_agentenv_untouched();
+}
 
-    // start-fresh loads the table and returns bootArgs as extraBootArgs.
-    let (status, body) = extension.hook("start-fresh", start.clone());
+/// start-fresh loads the table and returns bootArgs as extraBootArgs.
+#[test]
+fn start_fresh_loads_the_table_and_returns_the_boot_args() {
+    let case = Case::new("fresh");
+    let (status, body) = case.ext().hook("start-fresh", case.start.clone());
     assert_eq!(status, 200, "{body}");
     assert_eq!(body, json!({"extraBootArgs": "quiet refext.test=1"}));
-    let table = netns
-        .table("inet refext")
-        .expect("table inet refext after start-fresh");
+    let table = case.table().expect("table inet refext after start-fresh");
     assert!(
         table.contains("tcp dport != { 8080, 49983 } drop"),
         "{table}"
     );
     assert!(table.contains("ip daddr 203.0.113.0/24 drop"), "{table}");
+    case.assert_agentenv_untouched();
+}
 
-    // patch-params replaces the rules and answers with the full merged params.
-    let (status, body) = extension.hook(
-        "patch-params",
-        json!({"sandboxId": sandbox, "patch": {
-            "firewall": {"allowTcpPorts": [9090, 3000], "denyCidrs": ["198.51.100.0/24"]},
-            "vpn": {"peers": [{"name": "lab", "endpoint": "192.0.2.1:51820"}]},
-        }}),
-    );
+/// patch-params replaces the rules and answers with the full merged params; an invalid
+/// patch is refused and leaves rules and params as they were.
+#[test]
+fn patch_params_replaces_the_rules_and_an_invalid_patch_changes_nothing() {
+    let case = Case::new("patch");
+    case.start_fresh();
+    let (status, body) = case.patch(lab_patch());
     assert_eq!(status, 200, "{body}");
-    let patched = json!({
-        "firewall": {"allowTcpPorts": [9090, 3000], "denyCidrs": ["198.51.100.0/24"]},
-        "bootArgs": "quiet refext.test=1",
-        "vpn": {"peers": [{"name": "lab", "endpoint": "192.0.2.1:51820"}]},
-    });
-    assert_eq!(body, json!({"customExtensionParams": patched}));
-    let table = netns
-        .table("inet refext")
-        .expect("table after patch-params");
+    assert_eq!(body, json!({"customExtensionParams": patched()}));
+    let table = case.table().expect("table after patch-params");
     assert!(
         table.contains("tcp dport != { 3000, 9090, 49983 } drop"),
         "{table}"
@@ -280,69 +373,86 @@ fn reference_extension_manages_its_table_in_a_real_namespace() {
         "{table}"
     );
 
-    // An invalid patch is refused and leaves rules and params as they were.
-    let (status, _) = extension.hook(
-        "patch-params",
-        json!({"sandboxId": sandbox, "patch": {"firewall": {"allowTcpPorts": [70000]}}}),
-    );
+    let (status, _) = case.patch(json!({"firewall": {"allowTcpPorts": [70000]}}));
     assert_eq!(status, 422);
-    assert_eq!(netns.table("inet refext").as_deref(), Some(table.as_str()));
+    assert_eq!(case.table().as_deref(), Some(table.as_str()));
+    case.assert_agentenv_untouched();
+}
 
-    // A stop for another instance of the sandbox is acknowledged and changes nothing.
-    let stale =
-        json!({"sandboxId": sandbox, "sandboxInstanceId": uuid::Uuid::now_v7().to_string()});
-    assert_eq!(extension.hook("stop", stale.clone()).0, 200);
-    assert_eq!(netns.table("inet refext").as_deref(), Some(table.as_str()));
+/// A stop for another instance of the sandbox is acknowledged and changes nothing.
+#[test]
+fn a_stop_for_another_instance_of_the_sandbox_changes_nothing() {
+    let case = Case::new("stale");
+    case.start_fresh();
+    case.patch_lab();
+    let table = case.table().expect("table after patch-params");
+    let stale = uuid::Uuid::now_v7().to_string();
+    assert_eq!(case.stop_hook(&case.sandbox, &stale), 200);
+    assert_eq!(case.table().as_deref(), Some(table.as_str()));
+    case.assert_agentenv_untouched();
+}
 
-    // Restart: the instance, its namespace and its params come back from state.json.
-    drop(extension);
-    let extension = Extension::start(&binary, &state.0, 2);
-    let (status, body) = extension.hook(
-        "patch-params",
-        json!({"sandboxId": sandbox, "patch": {"firewall": {"denyCidrs": null}}}),
-    );
+/// Restart: the instance, its namespace and its params come back from state.json.
+#[test]
+fn a_restarted_extension_takes_its_instances_back_from_its_state() {
+    let mut case = Case::new("restart");
+    case.start_fresh();
+    case.patch_lab();
+    case.restart();
+    let (status, body) = case.patch(json!({"firewall": {"denyCidrs": null}}));
     assert_eq!(status, 200, "{body}");
-    let mut expected = patched.clone();
+    let mut expected = patched();
     expected["firewall"]
         .as_object_mut()
         .unwrap()
         .remove("denyCidrs");
     assert_eq!(body, json!({"customExtensionParams": expected}));
-    let table = netns.table("inet refext").expect("table after restart");
+    let table = case.table().expect("table after restart");
     assert!(
         table.contains("tcp dport != { 3000, 9090, 49983 } drop"),
         "{table}"
     );
     assert!(!table.contains("daddr"), "{table}");
-    assert_eq!(extension.hook("stop", stale).0, 200);
-    assert!(
-        netns.table("inet refext").is_some(),
-        "stale stop after restart"
-    );
+    let stale = uuid::Uuid::now_v7().to_string();
+    assert_eq!(case.stop_hook(&case.sandbox, &stale), 200);
+    assert!(case.table().is_some(), "stale stop after restart");
+    case.assert_agentenv_untouched();
+}
 
-    // The right stop removes the table; a repeated stop is a harmless no-op.
-    let stop = json!({"sandboxId": sandbox, "sandboxInstanceId": instance});
-    assert_eq!(extension.hook("stop", stop.clone()).0, 200);
-    assert_eq!(netns.table("inet refext"), None, "table left after stop");
-    assert_eq!(extension.hook("stop", stop).0, 200);
-    let (status, _) = extension.hook(
-        "patch-params",
-        json!({"sandboxId": sandbox, "patch": {"vpn": null}}),
-    );
+/// The right stop removes the table; a repeated stop is a harmless no-op (also after a
+/// restart), and the instance is gone for patch-params.
+#[test]
+fn the_instances_stop_removes_the_table_and_a_repeated_stop_is_a_no_op() {
+    let mut case = Case::new("stop");
+    case.start_fresh();
+    case.restart();
+    assert_eq!(case.stop_hook(&case.sandbox, &case.instance), 200);
+    assert_eq!(case.table(), None, "table left after stop");
+    assert_eq!(case.stop_hook(&case.sandbox, &case.instance), 200);
+    let (status, _) = case.patch(json!({"vpn": null}));
     assert_eq!(status, 404, "patch-params after stop");
+    case.assert_agentenv_untouched();
+}
 
-    // start-resume with empty params: nothing loaded, empty answer, stop still clean.
+/// start-resume with empty params: nothing loaded, empty answer, stop still clean.
+#[test]
+fn start_resume_with_empty_params_loads_nothing_and_its_stop_is_clean() {
+    let case = Case::new("resume");
     let resumed = uuid::Uuid::now_v7().to_string();
-    let mut resume = start.clone();
+    let mut resume = case.start.clone();
     resume["sandboxInstanceId"] = json!(resumed);
     resume["customExtensionParams"] = json!({});
-    let (status, body) = extension.hook("start-resume", resume);
+    let (status, body) = case.ext().hook("start-resume", resume);
     assert_eq!((status, body), (200, json!({})));
-    assert_eq!(netns.table("inet refext"), None);
-    let stop = json!({"sandboxId": sandbox, "sandboxInstanceId": resumed});
-    assert_eq!(extension.hook("stop", stop).0, 200);
+    assert_eq!(case.table(), None);
+    assert_eq!(case.stop_hook(&case.sandbox, &resumed), 200);
+    case.assert_agentenv_untouched();
+}
 
-    // A late stop of sandbox A after its namespace went to sandbox B leaves B's rules alone.
+/// A late stop of sandbox A after its namespace went to sandbox B leaves B's rules alone.
+#[test]
+fn a_late_stop_of_a_namespaces_previous_sandbox_leaves_the_next_ones_rules() {
+    let case = Case::new("late");
     let (a, b) = (
         uuid::Uuid::now_v7().to_string(),
         uuid::Uuid::now_v7().to_string(),
@@ -352,34 +462,16 @@ fn reference_extension_manages_its_table_in_a_real_namespace() {
         uuid::Uuid::now_v7().to_string(),
     );
     for (sandbox, instance, cidr) in [(&a, &a1, "203.0.113.0/24"), (&b, &b1, "192.0.2.0/24")] {
-        let mut start = start.clone();
+        let mut start = case.start.clone();
         start["sandboxId"] = json!(sandbox);
         start["sandboxInstanceId"] = json!(instance);
         start["customExtensionParams"] = json!({"firewall": {"denyCidrs": [cidr]}});
-        assert_eq!(extension.hook("start-fresh", start).0, 200);
+        assert_eq!(case.ext().hook("start-fresh", start).0, 200);
     }
-    let stop_a = json!({"sandboxId": a, "sandboxInstanceId": a1});
-    assert_eq!(extension.hook("stop", stop_a).0, 200);
-    let table = netns
-        .table("inet refext")
-        .expect("B's table after A's late stop");
+    assert_eq!(case.stop_hook(&a, &a1), 200);
+    let table = case.table().expect("B's table after A's late stop");
     assert!(table.contains("192.0.2.0/24"), "{table}");
-    let stop_b = json!({"sandboxId": b, "sandboxInstanceId": b1});
-    assert_eq!(extension.hook("stop", stop_b).0, 200);
-    assert_eq!(
-        netns.table("inet refext"),
-        None,
-        "table left after B's stop"
-    );
-
-    // agentenv's objects were never touched.
-    assert_eq!(
-        netns.table("ip agentenv").as_deref(),
-        Some(agentenv_table.as_str())
-    );
-    let links = netns.links();
-    assert!(
-        links.contains(" veth0@") && links.contains(" tap0:"),
-        "{links}"
-    );
+    assert_eq!(case.stop_hook(&b, &b1), 200);
+    assert_eq!(case.table(), None, "table left after B's stop");
+    case.assert_agentenv_untouched();
 }
