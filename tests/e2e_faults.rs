@@ -186,24 +186,76 @@ fn on_small_disk_with(reserve_mb: u64, extra_toml: &str) -> (Extension, LoopFs, 
     (ext, fs, s)
 }
 
+/// `agentenv_state_disk_bytes{state="free"}`.
+fn free_metric(s: &Server) -> f64 {
+    metric_sample(s, "agentenv_state_disk_bytes{state=\"free\"}").unwrap()
+}
+
+/// A cold create from the base image (timeout 900 s), answered as it is.
+fn cold(s: &Server) -> (u16, serde_json::Value) {
+    s.call(
+        "POST",
+        "/sandboxes-cold",
+        Some(json!({"image": base_image(), "timeout": 900})),
+    )
+}
+
+/// The body of a template build from the base image.
+fn full_disk_template() -> serde_json::Value {
+    json!({"name": "full-disk", "image": base_image(), "memoryMB": 256,
+        "cpuCount": 1, "diskSizeMB": 1024})
+}
+
+/// "<id> <state>" of every running or paused sandbox, sorted.
+fn listed(s: &Server) -> Vec<String> {
+    let (_, list) = s.call("GET", "/v2/sandboxes?state=running,paused", None);
+    let mut ids: Vec<String> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| format!("{} {}", v["sandboxID"].as_str().unwrap(), v["state"]))
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// After the disk was full and space came back: a restart loads the record of every
+/// sandbox in `ids` (none is quarantined), they delete, and the server stops leaving no
+/// VM, sandbox file or namespace, with one stop hook per start.
+fn a_restart_loads_every_record_and_leaves_nothing(ext: &Extension, s: &mut Server, ids: &[&str]) {
+    s.stop();
+    s.spawn();
+    let after = listed(s);
+    assert_eq!(after.len(), ids.len(), "{after:?}\n{}", s.log());
+    for id in ids {
+        assert!(
+            after.iter().any(|l| l.starts_with(&format!("{id} "))),
+            "{id} not loaded: {after:?}"
+        );
+        let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+        assert_eq!(code, 204, "{v}");
+    }
+    assert!(
+        !s.log().contains("result=quarantined"),
+        "no record was unreadable"
+    );
+    s.stop();
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    let starts = ext.requests_for("start-fresh").len() + ext.requests_for("start-resume").len();
+    assert_eq!(ext.requests_for("stop").len(), starts, "one stop per start");
+}
+
 #[test]
-fn a_full_state_disk_answers_507_and_recovers() {
+fn below_the_disk_reserve_new_state_answers_507_until_space_returns() {
     let _serial = serial();
     let (ext, fs, mut s) = on_small_disk(RESERVE_MB);
-    let cold = || {
-        s.call(
-            "POST",
-            "/sandboxes-cold",
-            Some(json!({"image": base_image(), "timeout": 900})),
-        )
-    };
     let a = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
-    let b = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
     assert_eq!(put_file(&s, &a, "/root/before", b"kept"), 204);
     let (code, snap) = s.call("POST", &format!("/sandboxes/{a}/snapshots"), None);
     assert_eq!(code, 201, "{snap}");
     let snap = snap["snapshotID"].as_str().unwrap().to_string();
-    let free_metric = || metric_sample(&s, "agentenv_state_disk_bytes{state=\"free\"}").unwrap();
     assert_eq!(
         metric_sample(&s, "agentenv_state_disk_bytes{state=\"reserve\"}"),
         Some((RESERVE_MB << 20) as f64)
@@ -211,8 +263,8 @@ fn a_full_state_disk_answers_507_and_recovers() {
 
     // Below the reserve: new state is refused up front, pauses, deletes, reads go on.
     let filler = fs.fill_to((RESERVE_MB - 100) << 20, 1);
-    assert!(free_metric() < (RESERVE_MB << 20) as f64);
-    assert_507(&s, cold(), "cold create below the reserve");
+    assert!(free_metric(&s) < (RESERVE_MB << 20) as f64);
+    assert_507(&s, cold(&s), "cold create below the reserve");
     let from_snap = json!({"templateID": snap, "timeout": 600});
     assert_507(
         &s,
@@ -221,16 +273,15 @@ fn a_full_state_disk_answers_507_and_recovers() {
     );
     assert_507(
         &s,
-        s.call("POST", &format!("/sandboxes/{b}/snapshots"), None),
+        s.call("POST", &format!("/sandboxes/{a}/snapshots"), None),
         "snapshot",
     );
-    let template = json!({"name": "full-disk", "image": base_image(), "memoryMB": 256,
-        "cpuCount": 1, "diskSizeMB": 1024});
     assert_507(
         &s,
-        s.call("POST", "/templates", Some(template.clone())),
+        s.call("POST", "/templates", Some(full_disk_template())),
         "build",
     );
+    assert_eq!(put_file(&s, &a, "/root/below-reserve", b"small"), 204);
     let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
     assert_eq!(code, 204, "a pause goes on below the reserve: {v}");
     assert_507(
@@ -242,8 +293,32 @@ fn a_full_state_disk_answers_507_and_recovers() {
         s.call("GET", &format!("/sandboxes/{a}"), None).1["state"],
         "paused"
     );
-    assert_eq!(put_file(&s, &b, "/root/below-reserve", b"small"), 204);
     assert!(s.log().contains("reserve"), "the refusals are logged");
+
+    // Space comes back: the same operations succeed with no restart.
+    std::fs::remove_file(&filler).unwrap();
+    assert!(free_metric(&s) > (RESERVE_MB << 20) as f64);
+    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/resume"), None);
+    assert_eq!(code, 201, "{v}");
+    assert_eq!(sh(&s, &a, "cat /root/before; echo"), "kept\n");
+    let (code, v) = s.call("POST", "/sandboxes", Some(from_snap));
+    assert_eq!(code, 201, "{v}");
+    let d = id_of(&v);
+    build_template(&s, "after-full");
+
+    a_restart_loads_every_record_and_leaves_nothing(&ext, &mut s, &[&a, &d]);
+    drop(s);
+    drop(fs);
+}
+
+#[test]
+fn a_pause_on_a_full_disk_answers_507_leaving_the_sandbox_running_and_every_record_as_it_was() {
+    let _serial = serial();
+    let (ext, fs, mut s) = on_small_disk(RESERVE_MB);
+    let b = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
+    let filler = fs.fill_to((RESERVE_MB - 100) << 20, 1);
+    assert!(free_metric(&s) < (RESERVE_MB << 20) as f64);
+    assert_eq!(put_file(&s, &b, "/root/below-reserve", b"small"), 204);
     let records_before = records(&s);
 
     // Nearly full, then full: a pause that cannot be written (its capture runs out of
@@ -271,7 +346,7 @@ fn a_full_state_disk_answers_507_and_recovers() {
     pause_runs_on("nearly full");
     let full = fs.fill_to(0, 3);
     pause_runs_on("full");
-    assert_507(&s, cold(), "cold create on a full disk");
+    assert_507(&s, cold(&s), "cold create on a full disk");
     assert_507(
         &s,
         s.call("POST", &format!("/sandboxes/{b}/snapshots"), None),
@@ -279,7 +354,7 @@ fn a_full_state_disk_answers_507_and_recovers() {
     );
     assert_507(
         &s,
-        s.call("POST", "/templates", Some(template.clone())),
+        s.call("POST", "/templates", Some(full_disk_template())),
         "build",
     );
     assert_eq!(
@@ -297,51 +372,17 @@ fn a_full_state_disk_answers_507_and_recovers() {
     for f in [&full, &nearly, &filler] {
         std::fs::remove_file(f).unwrap();
     }
-    assert!(free_metric() > (RESERVE_MB << 20) as f64);
-    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/resume"), None);
-    assert_eq!(code, 201, "{v}");
-    assert_eq!(sh(&s, &a, "cat /root/before; echo"), "kept\n");
-    let c = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
-    let (code, v) = s.call("POST", "/sandboxes", Some(from_snap));
-    assert_eq!(code, 201, "{v}");
-    let d = id_of(&v);
+    assert!(free_metric(&s) > (RESERVE_MB << 20) as f64);
+    let (code, c) = cold(&s);
+    assert_eq!(code, 201, "create failed: {c}\n{}", s.log());
+    let c = id_of(&c);
     let (code, v) = s.call("POST", &format!("/sandboxes/{b}/snapshots"), None);
     assert_eq!(code, 201, "{v}");
     assert_eq!(put_file(&s, &b, "/root/after", b"room"), 204);
     let (code, v) = s.call("POST", &format!("/sandboxes/{b}/pause"), None);
     assert_eq!(code, 204, "{v}");
-    build_template(&s, "after-full");
 
-    // A restart loads every record.
-    let listed = |s: &Server| {
-        let (_, list) = s.call("GET", "/v2/sandboxes?state=running,paused", None);
-        let mut ids: Vec<String> = list
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| format!("{} {}", v["sandboxID"].as_str().unwrap(), v["state"]))
-            .collect();
-        ids.sort();
-        ids
-    };
-    s.stop();
-    s.spawn();
-    let after = listed(&s);
-    assert_eq!(after.len(), 4, "{after:?}\n{}", s.log());
-    for id in [&a, &b, &c, &d] {
-        let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
-        assert_eq!(code, 204, "{v}");
-    }
-    assert!(
-        !s.log().contains("result=quarantined"),
-        "no record was unreadable"
-    );
-    s.stop();
-    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
-    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    let starts = ext.requests_for("start-fresh").len() + ext.requests_for("start-resume").len();
-    assert_eq!(ext.requests_for("stop").len(), starts, "one stop per start");
+    a_restart_loads_every_record_and_leaves_nothing(&ext, &mut s, &[&b, &c]);
     drop(s);
     drop(fs);
 }
@@ -425,10 +466,13 @@ fn envd_health(s: &Server, id: &str) -> u16 {
 
 const GUEST_WRITE_MB: u32 = 64;
 
-#[test]
-fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
-    let _serial = serial();
-    let (ext, fs, mut s) = on_small_disk(64);
+/// A server on a small disk (`disk_reserve_mb = 64`) with one running sandbox, whose
+/// guest starts a 64 MiB write to `/root/big` (bypassing its page cache) once the host
+/// has 16 MiB free: QEMU pauses it. Returns once the sandbox reports `pausedOnIoError`,
+/// with the filler to remove to give the space back. Drop the server before the
+/// filesystem.
+fn paused_on_a_full_disk() -> (Extension, LoopFs, Server, String, PathBuf) {
+    let (ext, fs, s) = on_small_disk(64);
     let id = id_of(&s.create(json!({"image": base_image(), "timeout": 900})));
     assert!(io_error_pause(&s, &id).is_none());
     assert_eq!(envd_health(&s, &id), 200, "envd answers before");
@@ -442,6 +486,25 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
         "the sandbox is reported paused on an I/O error\n{}",
         s.log()
     );
+    (ext, fs, s, id, filler)
+}
+
+/// Stops the server of [`paused_on_a_full_disk`]: no VM, sandbox file or namespace is
+/// left, and its one start had one stop.
+fn stop_leaving_nothing(ext: &Extension, s: &mut Server) {
+    s.stop();
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    let starts = ext.requests_for("start-fresh").len();
+    assert_eq!(starts, 1);
+    assert_eq!(ext.requests_for("stop").len(), 1, "one stop per start");
+}
+
+#[test]
+fn a_guest_paused_on_a_full_host_disk_is_reported_and_its_calls_answer_507() {
+    let _serial = serial();
+    let (ext, fs, mut s, id, filler) = paused_on_a_full_disk();
     let pause = io_error_pause(&s, &id).unwrap();
     let msg = pause["message"].as_str().unwrap();
     assert!(msg.contains(&s.state_dir.display().to_string()), "{msg}");
@@ -483,6 +546,19 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
             .is_some()),
         "still paused on the I/O error"
     );
+
+    let (code, v) = s.call("DELETE", &format!("/sandboxes/{id}"), None);
+    assert_eq!(code, 204, "{v}");
+    std::fs::remove_file(&filler).unwrap();
+    stop_leaving_nothing(&ext, &mut s);
+    drop(s);
+    drop(fs);
+}
+
+#[test]
+fn a_guest_paused_on_a_full_disk_completes_its_write_intact_once_space_returns() {
+    let _serial = serial();
+    let (ext, fs, mut s, id, filler) = paused_on_a_full_disk();
 
     // Space returns: the guest's write completes by itself and the file is intact.
     std::fs::remove_file(&filler).unwrap();
@@ -533,13 +609,7 @@ fn a_guest_write_on_a_full_host_disk_pauses_the_vm_until_space_returns() {
         Some(0.0)
     );
     std::fs::remove_file(&filler).unwrap();
-    s.stop();
-    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
-    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    let starts = ext.requests_for("start-fresh").len();
-    assert_eq!(starts, 1);
-    assert_eq!(ext.requests_for("stop").len(), 1, "one stop per start");
+    stop_leaving_nothing(&ext, &mut s);
     drop(s);
     drop(fs);
 }

@@ -4,19 +4,92 @@
 //! guest but never the host; the state dir is private; a failed pause commit keeps the
 //! capture; a record corrupted between two runs is quarantined, not deleted; a moved
 //! state dir keeps its paused sandboxes; a pause that finds QEMU hung keeps the disk in
-//! quarantine. One cold boot serves every VM assertion.
+//! quarantine.
+//!
+//! Fixture: one server shared by the tests that neither restart it nor change its config
+//! (see [`shared`]), and on it one snapshot of a sandbox cold-booted from the base image
+//! plus a layer with a setuid file and a device node, which those tests restore their
+//! sandboxes from. The tests that restart a server (a corrupted record, a moved state
+//! dir) and the hostile images own a server each: they take [`Shared::alone`], so they
+//! run alone (named to sort first: the shared server then starts once, after them).
 
 mod common;
 
 use agentenv::image::{ImageSpec, LayerBlob, LayerBuilder, LayoutWriter};
 use common::registry::{Auth, TestLayer, TestRegistry};
+use common::shared::{Hold, Shared};
 use common::*;
 use serde_json::{json, Value};
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
+
+/// The server the tests that do not restart one share.
+static SHARED: Shared<Fixture> = Shared::new();
+
+/// The snapshot [`Fixture::restored_sandbox`] restores from.
+const ORIGIN: &str = "privileged-origin";
+
+struct Fixture {
+    server: Server,
+    origin: OnceLock<()>,
+}
+
+impl common::shared::Fixture for Fixture {
+    fn start() -> Fixture {
+        Fixture {
+            server: Server::start(""),
+            origin: OnceLock::new(),
+        }
+    }
+
+    /// Stops the server; unless a test failed, checks that nothing of it is left.
+    fn stop(mut self, failed: bool) {
+        self.server.stop();
+        if failed || std::thread::panicking() {
+            eprintln!("shared server kept in {}", self.server.state_dir.display());
+            std::mem::forget(self.server);
+            return;
+        }
+        assert_nothing_left(&self.server);
+    }
+}
+
+impl Fixture {
+    /// A running sandbox (timeout 600 s) restored from a snapshot of a sandbox
+    /// cold-booted from [`base_plus_privileged_layer`].
+    fn restored_sandbox(&self) -> String {
+        let s = &self.server;
+        self.origin.get_or_init(|| {
+            let image = base_plus_privileged_layer(&s.state_dir.parent().unwrap().join("img"));
+            let id = id_of(&s.create(json!({"image": image, "timeout": 600})));
+            let name = json!({ "name": ORIGIN });
+            let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(name));
+            assert_eq!(code, 201, "{v}");
+            assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+        });
+        let body = json!({"templateID": ORIGIN, "timeout": 600});
+        let (code, v) = s.call("POST", "/sandboxes", Some(body));
+        assert_eq!(code, 201, "{v}");
+        id_of(&v)
+    }
+}
+
+/// A hold on the shared server (started by the first test that asks).
+fn shared() -> Hold<Fixture> {
+    SHARED.hold()
+}
+
+/// No VM, sandbox file, namespace or link of the stopped server `s` is left.
+fn assert_nothing_left(s: &Server) {
+    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+}
 
 fn require_registry() {
     assert!(
@@ -161,17 +234,29 @@ fn privileged_files(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Directories not 0700 and files readable or writable by group or others.
+/// Directories not 0700 and files readable or writable by group or others. Entries that
+/// vanish while it looks (a test beside it on the shared server deletes a sandbox) are
+/// skipped; any other error fails.
 fn public_modes(dir: &Path) -> Vec<String> {
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let md = fs::symlink_metadata(&d).unwrap();
+        let (md, entries) =
+            match fs::symlink_metadata(&d).and_then(|md| Ok((md, fs::read_dir(&d)?))) {
+                Ok(both) => both,
+                Err(e) if gone(&e) && d != dir => continue,
+                Err(e) => panic!("{}: {e}", d.display()),
+            };
         if md.permissions().mode() & 0o7777 != 0o700 {
             out.push(format!("{} {:o}", d.display(), md.mode() & 0o7777));
         }
-        for e in fs::read_dir(&d).unwrap().flatten() {
-            let md = fs::symlink_metadata(e.path()).unwrap();
+        for e in entries.flatten() {
+            let md = match fs::symlink_metadata(e.path()) {
+                Ok(md) => md,
+                Err(err) if gone(&err) => continue,
+                Err(err) => panic!("{}: {err}", e.path().display()),
+            };
             if md.is_dir() {
                 stack.push(e.path());
             } else if !md.file_type().is_symlink()
@@ -201,7 +286,7 @@ fn expect_bad_image(s: &Server, image: &str, needles: &[&str]) {
 #[test]
 fn hostile_images_get_a_400_naming_the_entry_and_touch_nothing_outside_their_root() {
     require_registry();
-    let _serial = serial();
+    let _alone = SHARED.alone();
     let s = Server::start("");
     let scratch = s.state_dir.parent().unwrap().join("images-src");
     fs::create_dir_all(&scratch).unwrap();
@@ -329,15 +414,18 @@ fn base_plus_privileged_layer(dir: &Path) -> String {
     write_layout(dir, layers)
 }
 
+fn delete(s: &Server, id: &str) {
+    assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+}
+
 #[test]
-fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
-    let _serial = serial();
-    let mut s = Server::start("");
-    let image = base_plus_privileged_layer(&s.state_dir.parent().unwrap().join("img"));
-    let a = id_of(&s.create(json!({"image": image, "timeout": 600})));
+fn the_guest_sees_setuid_files_and_device_nodes_that_the_host_never_holds() {
+    let f = shared();
+    let s = &f.server;
+    let a = f.restored_sandbox();
 
     // The guest sees the image faithfully; the host holds nothing privileged.
-    let seen = sh(&s, &a, "stat -c '%a %F' /opt/suidtest /opt/dev/testnull");
+    let seen = sh(s, &a, "stat -c '%a %F' /opt/suidtest /opt/dev/testnull");
     assert_eq!(
         seen, "4755 regular file\n666 character special file\n",
         "{seen}"
@@ -347,24 +435,24 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
         "{:?}",
         privileged_files(&s.state_dir)
     );
-    sh(&s, &a, "echo mem-a > /dev/shm/m; echo disk-a > /root/d");
+    delete(s, &a);
+}
 
-    // A second sandbox, restored from a snapshot of the first (no cold boot).
-    let (code, snap) = s.call("POST", &format!("/sandboxes/{a}/snapshots"), None);
-    assert_eq!(code, 201, "{snap}");
-    let (code, b) = s.call(
-        "POST",
-        "/sandboxes",
-        Some(json!({"templateID": snap["snapshotID"], "timeout": 600})),
-    );
-    assert_eq!(code, 201, "{b}");
-    let b = id_of(&b);
+#[test]
+fn the_capture_of_a_pause_whose_record_cannot_be_committed_is_kept_and_resumes() {
+    let f = shared();
+    let s = &f.server;
+    let a = f.restored_sandbox();
+    sh(s, &a, "echo mem-a > /dev/shm/m; echo disk-a > /root/d");
 
     // A pause whose record cannot be committed (record.json is a directory, so the
-    // atomic rename fails) keeps the capture: the sandbox is paused and resumes.
+    // atomic rename fails) keeps the capture: the sandbox is paused and resumes. The
+    // directory is private, as the server's files are (another test checks the modes).
     let record = s.state_dir.join("sandboxes").join(&a).join("record.json");
     fs::remove_file(&record).unwrap();
-    fs::create_dir(&record).unwrap();
+    std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700)
+        .create(&record)
+        .unwrap();
     let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
     assert_eq!(code, 500, "{v}");
     assert!(v["message"].as_str().unwrap().contains("paused"), "{v}");
@@ -379,9 +467,18 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
         Some(json!({"timeout": 600})),
     );
     assert_eq!(code, 201, "{v}");
-    assert_eq!(sh(&s, &a, "cat /dev/shm/m /root/d"), "mem-a\ndisk-a\n");
+    assert_eq!(sh(s, &a, "cat /dev/shm/m /root/d"), "mem-a\ndisk-a\n");
+    delete(s, &a);
+}
 
-    // Both paused normally; everything under the state dir is private.
+#[test]
+fn the_state_dir_with_paused_sandboxes_is_private_and_holds_nothing_privileged() {
+    let f = shared();
+    let s = &f.server;
+    let (a, b) = (f.restored_sandbox(), f.restored_sandbox());
+    sh(s, &a, "echo mem-a > /dev/shm/m; echo disk-a > /root/d");
+
+    // Both paused; everything under the state dir is private.
     for id in [&a, &b] {
         let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
         assert_eq!(code, 204, "{v}");
@@ -389,6 +486,37 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
     let public = public_modes(&s.state_dir);
     assert!(public.is_empty(), "not private: {public:?}");
     assert!(privileged_files(&s.state_dir).is_empty());
+    delete(s, &a);
+    delete(s, &b);
+}
+
+/// A server of its own (it restarts it), with sandbox `a` cold-booted from the base image
+/// holding `mem-a` in /dev/shm/m and `disk-a` in /root/d.
+fn own_server_with_a_marked_sandbox() -> (Server, String) {
+    let s = Server::start("");
+    let a = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
+    sh(&s, &a, "echo mem-a > /dev/shm/m; echo disk-a > /root/d");
+    (s, a)
+}
+
+#[test]
+fn a_record_corrupted_between_two_runs_is_quarantined_not_deleted() {
+    let _alone = SHARED.alone();
+    let (mut s, a) = own_server_with_a_marked_sandbox();
+    // A second sandbox, restored from a snapshot of the first (no cold boot).
+    let (code, snap) = s.call("POST", &format!("/sandboxes/{a}/snapshots"), None);
+    assert_eq!(code, 201, "{snap}");
+    let (code, b) = s.call(
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": snap["snapshotID"], "timeout": 600})),
+    );
+    assert_eq!(code, 201, "{b}");
+    let b = id_of(&b);
+    for id in [&a, &b] {
+        let (code, v) = s.call("POST", &format!("/sandboxes/{id}/pause"), None);
+        assert_eq!(code, 204, "{v}");
+    }
 
     // A record corrupted between two runs is quarantined, never deleted; the other
     // sandbox is still there.
@@ -418,6 +546,17 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
         s.log().contains("result=quarantined"),
         "no log line says why"
     );
+    delete(&s, &a);
+    s.stop();
+    assert_nothing_left(&s);
+}
+
+#[test]
+fn a_moved_state_dir_keeps_its_paused_sandboxes() {
+    let _alone = SHARED.alone();
+    let (mut s, a) = own_server_with_a_marked_sandbox();
+    let (code, v) = s.call("POST", &format!("/sandboxes/{a}/pause"), None);
+    assert_eq!(code, 204, "{v}");
 
     // The whole state dir moves: the paused sandbox still resumes with its memory.
     s.stop();
@@ -437,6 +576,16 @@ fn stored_state_survives_failed_commits_corruption_and_a_moved_state_dir() {
     );
     assert_eq!(code, 201, "{v}\n{}", s.log());
     assert_eq!(sh(&s, &a, "cat /dev/shm/m /root/d"), "mem-a\ndisk-a\n");
+    delete(&s, &a);
+    s.stop();
+    assert_nothing_left(&s);
+}
+
+#[test]
+fn the_disk_of_a_sandbox_whose_qemu_hangs_at_a_pause_is_kept_in_quarantine() {
+    let f = shared();
+    let s = &f.server;
+    let a = f.restored_sandbox();
 
     // A pause that finds QEMU hung (stopped here, so it never answers) cannot capture,
     // and the VM cannot run on: the sandbox is removed (500, then 404) and its VM ends,
