@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::shared::Shared;
 use common::{assets_dir, Server};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,36 +80,103 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
-/// Bundles, installs into a temporary root, installs again over it (an upgrade), starts the
-/// installed binary on the installed assets, then uninstalls and purges.
-#[test]
-fn bundle_installs_runs_and_uninstalls_in_a_root() {
-    let work = repo()
-        .join("target/tmp")
-        .join(format!("bundle-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work).unwrap();
+/// The bundle scripts/bundle.sh makes from the static binary and the assets, unpacked;
+/// made for the tests that install it, removed after the last one (unless one failed).
+/// Those tests' names sort after the others' (libtest runs tests in name order), so they
+/// run one after another and it is made once.
+struct Bundle {
+    /// The scratch dir holding the tarball, the unpacked bundle and the tests' roots.
+    work: PathBuf,
+    tarball: PathBuf,
+    /// The unpacked bundle.
+    dir: PathBuf,
+}
 
-    let out = run(Command::new(repo().join("scripts/bundle.sh"))
-        .arg("--binary")
-        .arg(static_binary("agentenv"))
-        .arg("--assets")
-        .arg(assets_dir())
-        .arg("--out")
-        .arg(work.join("out")));
-    let tarball = PathBuf::from(out.lines().last().unwrap().trim());
-    let name = tarball.file_name().unwrap().to_string_lossy().to_string();
+static BUNDLE: Shared<Bundle> = Shared::new();
+
+impl common::shared::Fixture for Bundle {
+    fn start() -> Bundle {
+        let work = repo()
+            .join("target/tmp")
+            .join(format!("bundle-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).unwrap();
+        let out = run(Command::new(repo().join("scripts/bundle.sh"))
+            .arg("--binary")
+            .arg(static_binary("agentenv"))
+            .arg("--assets")
+            .arg(assets_dir())
+            .arg("--out")
+            .arg(work.join("out")));
+        let tarball = PathBuf::from(out.lines().last().unwrap().trim());
+        run(Command::new("tar")
+            .arg("-C")
+            .arg(&work)
+            .arg("-xzf")
+            .arg(&tarball));
+        let name = tarball.file_name().unwrap().to_string_lossy().to_string();
+        let dir = work.join(name.trim_end_matches(".tar.gz"));
+        Bundle { work, tarball, dir }
+    }
+
+    fn stop(self, failed: bool) {
+        if !failed {
+            std::fs::remove_dir_all(&self.work).unwrap();
+        }
+    }
+}
+
+/// A temporary root of its own for a test, and the paths the bundle installs into it.
+struct Root {
+    root: PathBuf,
+    bin: PathBuf,
+    config: PathBuf,
+    unit: PathBuf,
+    assets: PathBuf,
+    marker: PathBuf,
+}
+
+impl Root {
+    fn new(bundle: &Bundle, name: &str) -> Root {
+        let root = bundle.work.join(name);
+        Root {
+            bin: root.join("usr/local/bin/agentenv"),
+            config: root.join("etc/agentenv/config.toml"),
+            unit: root.join("etc/systemd/system/agentenv.service"),
+            assets: root.join("var/lib/agentenv/assets"),
+            marker: root.join("var/lib/agentenv/marker"),
+            root,
+        }
+    }
+
+    /// The bundle's install.sh into this root, with `extra` arguments: what it said.
+    fn install(&self, bundle: &Bundle, extra: &[&str]) -> String {
+        run(Command::new(bundle.dir.join("install.sh"))
+            .arg("--root")
+            .arg(&self.root)
+            .args(extra))
+    }
+
+    /// As an operator: edits the installed config (returned) and leaves state behind.
+    fn edit_config_and_leave_state(&self) -> String {
+        let edited = format!(
+            "{}\n# edited by the operator\n",
+            std::fs::read_to_string(&self.config).unwrap()
+        );
+        std::fs::write(&self.config, &edited).unwrap();
+        std::fs::write(&self.marker, "state").unwrap();
+        edited
+    }
+}
+
+#[test]
+fn the_bundle_is_named_for_the_version_and_holds_what_install_needs() {
+    let bundle = BUNDLE.hold();
+    let name = bundle.tarball.file_name().unwrap().to_string_lossy();
     let version = env!("CARGO_PKG_VERSION");
     assert_eq!(name, format!("agentenv-{version}-x86_64-linux.tar.gz"));
-    let size = std::fs::metadata(&tarball).unwrap().len();
+    let size = std::fs::metadata(&bundle.tarball).unwrap().len();
     eprintln!("bundle {name}: {:.1} MiB", size as f64 / 1048576.0);
-
-    run(Command::new("tar")
-        .arg("-C")
-        .arg(&work)
-        .arg("-xzf")
-        .arg(&tarball));
-    let bundle = work.join(name.trim_end_matches(".tar.gz"));
     for f in [
         "bin/agentenv",
         "assets/initramfs.img",
@@ -119,104 +187,103 @@ fn bundle_installs_runs_and_uninstalls_in_a_root() {
         "install.sh",
         "VERSION",
     ] {
-        assert!(bundle.join(f).exists(), "bundle lacks {f}");
+        assert!(bundle.dir.join(f).exists(), "bundle lacks {f}");
     }
     assert!(
-        bundle.join("assets/vmlinux").is_file() || bundle.join("assets/vmlinuz").is_file(),
+        bundle.dir.join("assets/vmlinux").is_file() || bundle.dir.join("assets/vmlinuz").is_file(),
         "bundle has no guest kernel"
     );
+}
 
-    // Install into an empty root; then an operator edits the config and installs again.
-    let root = work.join("root");
-    let install = |extra: &[&str]| {
-        run(Command::new(bundle.join("install.sh"))
-            .arg("--root")
-            .arg(&root)
-            .args(extra))
-    };
-    let said = install(&[]);
+/// Installs into an empty root; then an operator edits the config and installs again.
+#[test]
+fn the_install_puts_the_default_config_and_an_upgrade_keeps_the_edited_config_and_state() {
+    let bundle = BUNDLE.hold();
+    let r = Root::new(&bundle, "root-upgrade");
+    let said = r.install(&bundle, &[]);
     assert!(said.contains("api-key"), "no API key location in:\n{said}");
-    let bin = root.join("usr/local/bin/agentenv");
-    let config = root.join("etc/agentenv/config.toml");
-    let unit = root.join("etc/systemd/system/agentenv.service");
-    let assets = root.join("var/lib/agentenv/assets");
-    for p in [&bin, &config, &unit, &assets.join("initramfs.img")] {
+    for p in [&r.bin, &r.config, &r.unit, &r.assets.join("initramfs.img")] {
         assert!(p.exists(), "{} not installed", p.display());
     }
     assert_eq!(
-        std::fs::read(&config).unwrap(),
+        std::fs::read(&r.config).unwrap(),
         std::fs::read(repo().join("config/default.toml")).unwrap()
     );
-    let edited = format!(
-        "{}\n# edited by the operator\n",
-        std::fs::read_to_string(&config).unwrap()
-    );
-    std::fs::write(&config, &edited).unwrap();
-    std::fs::write(root.join("var/lib/agentenv/marker"), "state").unwrap();
-    install(&[]);
+    let edited = r.edit_config_and_leave_state();
+    r.install(&bundle, &[]);
     assert_eq!(
-        std::fs::read_to_string(&config).unwrap(),
+        std::fs::read_to_string(&r.config).unwrap(),
         edited,
         "an upgrade overwrote the operator's config"
     );
-    assert!(
-        root.join("var/lib/agentenv/marker").exists(),
-        "upgrade lost state"
-    );
+    assert!(r.marker.exists(), "upgrade lost state");
+}
 
-    let version_out = run(Command::new(&bin).arg("--version"));
+/// The installed binary says its version, serves from the installed assets and, as a
+/// client, resolves a host name and talks to the server.
+#[test]
+fn the_installed_binary_serves_from_the_installed_assets_and_is_its_own_client() {
+    let bundle = BUNDLE.hold();
+    let r = Root::new(&bundle, "root-run");
+    r.install(&bundle, &[]);
+    let version_out = run(Command::new(&r.bin).arg("--version"));
+    let version = env!("CARGO_PKG_VERSION");
     assert_eq!(version_out.trim(), format!("agentenv {version}"));
 
-    // The installed binary serves from the installed assets.
-    {
-        let mut server = Server::builder()
-            .binary(&bin)
-            .vm("assets_dir", format!("{:?}", assets.display().to_string()))
-            .start();
-        let (status, body) = server.call("GET", "/sandboxes", None);
-        assert_eq!(status, 200, "{body}");
-        // The static binary as a client: it resolves a host name (glibc's built-in files
-        // source, docs/operations.md §3.3) and talks to the server.
-        let url = server.base.replace("127.0.0.1", "localhost");
-        let listed = run(Command::new(&bin)
-            .args(["--json", "--url", &url, "--api-key", common::API_KEY])
-            .args(["sandbox", "ls"]));
-        assert_eq!(listed.trim(), "[]");
-        server.stop();
-    }
+    let mut server = Server::builder()
+        .binary(&r.bin)
+        .vm(
+            "assets_dir",
+            format!("{:?}", r.assets.display().to_string()),
+        )
+        .start();
+    let (status, body) = server.call("GET", "/sandboxes", None);
+    assert_eq!(status, 200, "{body}");
+    // The static binary as a client: it resolves a host name (glibc's built-in files
+    // source, docs/operations.md §3.3) and talks to the server.
+    let url = server.base.replace("127.0.0.1", "localhost");
+    let listed = run(Command::new(&r.bin)
+        .args(["--json", "--url", &url, "--api-key", common::API_KEY])
+        .args(["sandbox", "ls"]));
+    assert_eq!(listed.trim(), "[]");
+    server.stop();
+}
 
-    // Uninstall keeps the state dir and the edited config.
+/// Uninstall (the installed install.sh) keeps the state dir and the edited config; purge
+/// removes the rest.
+#[test]
+fn uninstall_keeps_the_state_and_an_edited_config_and_purge_removes_them() {
+    let bundle = BUNDLE.hold();
+    let r = Root::new(&bundle, "root-uninstall");
+    r.install(&bundle, &[]);
+    let edited = r.edit_config_and_leave_state();
     let said = run(
-        Command::new(root.join("usr/local/share/agentenv/install.sh"))
+        Command::new(r.root.join("usr/local/share/agentenv/install.sh"))
             .arg("--root")
-            .arg(&root)
+            .arg(&r.root)
             .arg("--uninstall"),
     );
     assert!(said.contains("kept"), "{said}");
-    for gone in [&bin, &unit, &assets, &root.join("usr/local/share/agentenv")] {
+    let share = r.root.join("usr/local/share/agentenv");
+    for gone in [&r.bin, &r.unit, &r.assets, &share] {
         assert!(!gone.exists(), "{} left after uninstall", gone.display());
     }
-    assert!(root.join("var/lib/agentenv/marker").exists());
-    assert_eq!(std::fs::read_to_string(&config).unwrap(), edited);
+    assert!(r.marker.exists());
+    assert_eq!(std::fs::read_to_string(&r.config).unwrap(), edited);
 
-    // Purge removes the rest.
-    run(Command::new(bundle.join("install.sh"))
-        .arg("--root")
-        .arg(&root)
-        .args(["--uninstall", "--purge"]));
-    assert!(!root.join("var/lib/agentenv").exists());
-    assert!(!root.join("etc/agentenv").exists());
+    r.install(&bundle, &["--uninstall", "--purge"]);
+    assert!(!r.root.join("var/lib/agentenv").exists());
+    assert!(!r.root.join("etc/agentenv").exists());
+}
 
-    // An unedited config goes with a plain uninstall.
-    install(&[]);
-    run(Command::new(bundle.join("install.sh"))
-        .arg("--root")
-        .arg(&root)
-        .arg("--uninstall"));
-    assert!(!config.exists(), "the untouched default config was kept");
-    assert!(root.join("var/lib/agentenv").exists());
-
-    std::fs::remove_dir_all(&work).unwrap();
+#[test]
+fn uninstall_takes_an_unedited_config_along_and_keeps_the_state() {
+    let bundle = BUNDLE.hold();
+    let r = Root::new(&bundle, "root-unedited");
+    r.install(&bundle, &[]);
+    r.install(&bundle, &["--uninstall"]);
+    assert!(!r.config.exists(), "the untouched default config was kept");
+    assert!(r.root.join("var/lib/agentenv").exists());
 }
 
 #[test]

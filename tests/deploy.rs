@@ -136,45 +136,83 @@ fn pod_env(container: &Value, node: &str, ip: &str, api_key: &str) -> Vec<(Strin
     ]
 }
 
-#[test]
-fn the_daemonset_gives_each_node_what_it_needs() {
-    let docs = documents();
-    let ds = find(&docs, "DaemonSet", "agentenv");
+/// The DaemonSet, its pod spec and its one container.
+fn daemonset(docs: &[Value]) -> (&Value, &Value, &Value) {
+    let ds = find(docs, "DaemonSet", "agentenv");
     let pod = &ds["spec"]["template"]["spec"];
+    let containers = pod["containers"].as_array().unwrap();
+    assert_eq!(containers.len(), 1);
+    (ds, pod, &containers[0])
+}
+
+/// The hostPath of the volume container `c` of `pod` mounts at `path`.
+fn host_path<'a>(pod: &'a Value, c: &Value, path: &str) -> &'a Value {
+    let m = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == path)
+        .unwrap_or_else(|| panic!("nothing mounted at {path}"));
+    let name = m["name"].as_str().unwrap();
+    &by_name(&pod["volumes"], name)["hostPath"]
+}
+
+/// The ConfigMap's config.toml.
+fn configmap_toml(docs: &[Value]) -> &str {
+    let cm = find(docs, "ConfigMap", "agentenv-config");
+    cm["data"]["config.toml"].as_str().unwrap()
+}
+
+/// The ConfigMap's config as the pod on node `worker-1` at 10.0.0.7 loads it.
+fn worker_config(docs: &[Value], c: &Value) -> agentenv::config::Config {
+    let env = pod_env(c, "worker-1", "10.0.0.7", common::API_KEY);
+    agentenv::config::Config::from_sources(Some(("configmap.yaml", configmap_toml(docs))), &env)
+        .unwrap_or_else(|e| panic!("the ConfigMap's config is refused: {e}"))
+}
+
+/// The port of `[server] listen`.
+fn api_port(config: &agentenv::config::Config) -> u64 {
+    config
+        .server
+        .listen
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn the_daemonset_runs_one_privileged_container_on_the_host_network() {
+    let docs = documents();
+    let (ds, pod, c) = daemonset(&docs);
     assert_eq!(pod["hostNetwork"], true);
     assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
     assert_eq!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"], 0);
-    let containers = pod["containers"].as_array().unwrap();
-    assert_eq!(containers.len(), 1);
-    let c = &containers[0];
     assert_eq!(c["securityContext"]["privileged"], true);
     assert!(
         c["resources"]["limits"]["memory"].is_null(),
         "VMs count in the pod's cgroup"
     );
+}
 
-    // Each device and host dir is a hostPath of the right type, mounted where it is.
-    let mount = |path: &str| -> &Value {
-        let m = c["volumeMounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["mountPath"] == path)
-            .unwrap_or_else(|| panic!("nothing mounted at {path}"));
-        let name = m["name"].as_str().unwrap();
-        &by_name(&pod["volumes"], name)["hostPath"]
-    };
+#[test]
+fn the_daemonset_mounts_each_device_and_host_dir_where_it_is() {
+    let docs = documents();
+    let (_, pod, c) = daemonset(&docs);
     for (path, kind) in [("/dev/kvm", "CharDevice"), ("/dev/net/tun", "CharDevice")] {
-        assert_eq!(mount(path)["path"], path);
-        assert_eq!(mount(path)["type"], kind);
+        assert_eq!(host_path(pod, c, path)["path"], path);
+        assert_eq!(host_path(pod, c, path)["type"], kind);
     }
     for path in ["/var/run/netns", "/run/agentenv"] {
-        assert_eq!(mount(path)["path"], path);
+        assert_eq!(host_path(pod, c, path)["path"], path);
     }
+}
 
-    // The config, with one pod's environment, is accepted; it agrees with the pod spec.
-    let cm = find(&docs, "ConfigMap", "agentenv-config");
-    let toml = cm["data"]["config.toml"].as_str().unwrap();
+#[test]
+fn the_configmaps_config_with_a_pods_environment_is_accepted_and_agrees_with_the_pod() {
+    let docs = documents();
+    let (_, pod, c) = daemonset(&docs);
     let args: Vec<&str> = c["args"]
         .as_array()
         .unwrap()
@@ -192,27 +230,18 @@ fn the_daemonset_gives_each_node_what_it_needs() {
         by_name(&pod["volumes"], config_volume["name"].as_str().unwrap())["configMap"]["name"],
         "agentenv-config"
     );
-    let env = pod_env(c, "worker-1", "10.0.0.7", common::API_KEY);
-    let config = agentenv::config::Config::from_sources(Some(("configmap.yaml", toml)), &env)
-        .unwrap_or_else(|e| panic!("the ConfigMap's config is refused: {e}"));
+    let config = worker_config(&docs, c);
     assert_eq!(config.cluster.node.as_deref(), Some("worker-1"));
     let state = config.server.state_dir.display().to_string();
-    assert_eq!(mount(&state)["path"], state.as_str());
-    assert_eq!(mount(&state)["type"], "DirectoryOrCreate");
+    assert_eq!(host_path(pod, c, &state)["path"], state.as_str());
+    assert_eq!(host_path(pod, c, &state)["type"], "DirectoryOrCreate");
     let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
     assert!(
         grace >= config.server.shutdown_timeout_secs + 30,
         "grace period {grace} s leaves the shutdown pause ({} s) too little",
         config.server.shutdown_timeout_secs
     );
-    let port: u64 = config
-        .server
-        .listen
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = api_port(&config);
     assert_eq!(by_name(&c["ports"], "api")["containerPort"], port);
     assert_eq!(
         config.cluster.advertise_url,
@@ -223,12 +252,23 @@ fn the_daemonset_gives_each_node_what_it_needs() {
         !config.vm.assets_dir.starts_with(&config.server.state_dir),
         "the state dir's hostPath would hide the image's assets"
     );
+}
 
-    // Kubernetes node names longer than a node name may be are refused at startup.
+#[test]
+fn a_kubernetes_node_name_too_long_for_a_node_name_is_refused_at_startup() {
+    let docs = documents();
+    let (_, _, c) = daemonset(&docs);
+    let toml = configmap_toml(&docs);
     let long = pod_env(c, "ip-10-0-0-7.ec2.internal", "10.0.0.7", common::API_KEY);
     assert!(agentenv::config::Config::from_sources(Some(("configmap.yaml", toml)), &long).is_err());
+}
 
-    // The peers are the headless Service's addresses; both Services select the pods.
+#[test]
+fn the_services_select_the_pods_and_the_peers_are_the_headless_services_addresses() {
+    let docs = documents();
+    let (ds, _, c) = daemonset(&docs);
+    let config = worker_config(&docs, c);
+    let port = api_port(&config);
     let labels = &ds["spec"]["template"]["metadata"]["labels"];
     assert_eq!(&ds["spec"]["selector"]["matchLabels"], labels);
     let peers = find(&docs, "Service", "agentenv-peers");

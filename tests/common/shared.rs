@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 use std::ops::Deref;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// What a binary shares: how it starts, and how it stops once the last test left.
@@ -23,6 +24,9 @@ pub trait Fixture: Send + Sync + 'static {
 pub struct Shared<F> {
     slot: Mutex<Slot<F>>,
     turns: RwLock<()>,
+    /// Tests in [`Shared::hold`] waiting for the slot (e.g. while the first one starts the
+    /// fixture): the last holder leaving leaves the fixture to them rather than stopping it.
+    waiting: AtomicUsize,
 }
 
 struct Slot<F> {
@@ -40,13 +44,16 @@ impl<F: Fixture> Shared<F> {
                 failed: false,
             }),
             turns: RwLock::new(()),
+            waiting: AtomicUsize::new(0),
         }
     }
 
     /// A hold on the fixture, started if no test holds it.
     pub fn hold(&'static self) -> Hold<F> {
         let turn = self.turns.read().unwrap_or_else(PoisonError::into_inner);
+        self.waiting.fetch_add(1, Ordering::SeqCst);
         let mut slot = lock(&self.slot);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
         let fixture = Arc::clone(slot.fixture.get_or_insert_with(|| Arc::new(F::start())));
         slot.users += 1;
         Hold {
@@ -88,7 +95,7 @@ impl<F: Fixture> Drop for Hold<F> {
         self.fixture = None;
         slot.failed |= std::thread::panicking();
         slot.users -= 1;
-        if slot.users == 0 {
+        if slot.users == 0 && self.shared.waiting.load(Ordering::SeqCst) == 0 {
             let failed = std::mem::take(&mut slot.failed);
             let fixture = slot.fixture.take().and_then(Arc::into_inner);
             fixture.expect("no test holds the fixture").stop(failed);
