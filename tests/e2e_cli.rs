@@ -9,76 +9,47 @@
 mod common;
 
 use common::registry::{Auth, TestLayer, TestRegistry};
-use common::shared::{Hold, Shared};
+use common::shared::{DefaultServer, Hold, Shared};
 use common::{base_image, id_of, Server, API_KEY};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The server every test shares.
-static SHARED: Shared<Fixture> = Shared::new();
+static SHARED: Shared<DefaultServer> = Shared::new();
 
-/// The snapshot [`Fixture::restored_sandbox`] restores from.
-const ORIGIN: &str = "cli-origin";
-
-struct Fixture {
-    server: Server,
-    origin: OnceLock<()>,
+/// What the tests use of the shared server.
+trait Fixture {
+    fn cli(&self) -> Cli<'_>;
+    /// A running sandbox (timeout 600 s) restored from a snapshot of a cold-booted one.
+    fn restored_sandbox(&self) -> String;
 }
 
-impl common::shared::Fixture for Fixture {
-    fn start() -> Fixture {
-        Fixture {
-            server: Server::start(""),
-            origin: OnceLock::new(),
-        }
-    }
-
-    /// Stops the server; after a failure its state dir and log are kept.
-    fn stop(mut self, failed: bool) {
-        self.server.stop();
-        if failed {
-            eprintln!("shared server kept in {}", self.server.state_dir.display());
-            std::mem::forget(self.server);
-        }
-    }
-}
-
-impl Fixture {
+impl Fixture for DefaultServer {
     fn cli(&self) -> Cli<'_> {
         Cli {
             server: &self.server,
         }
     }
 
-    /// A running sandbox (timeout 600 s) restored from a snapshot of a cold-booted one.
     fn restored_sandbox(&self) -> String {
-        let s = &self.server;
-        self.origin.get_or_init(|| {
-            let id = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
-            let name = json!({ "name": ORIGIN });
-            let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(name));
-            assert_eq!(code, 201, "{v}");
-            assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
-        });
-        self.cli()
-            .ok(&[
-                "sandbox",
-                "create",
-                "--template",
-                ORIGIN,
-                "--timeout",
-                "600",
-            ])
-            .trim()
-            .to_string()
+        let boot = |s: &Server| id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
+        let origin = self.origin.name(&self.server, boot);
+        let create = [
+            "sandbox",
+            "create",
+            "--template",
+            origin,
+            "--timeout",
+            "600",
+        ];
+        self.cli().ok(&create).trim().to_string()
     }
 }
 
 /// A hold on the shared server (started by the first test that asks).
-fn shared() -> Hold<Fixture> {
+fn shared() -> Hold<DefaultServer> {
     SHARED.hold()
 }
 

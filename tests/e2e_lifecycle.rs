@@ -12,10 +12,10 @@
 mod common;
 
 use common::extension::{Extension, Recorded};
-use common::shared::{lock, Hold, Shared};
+use common::shared::{assert_server_left_nothing, lock, stop_shared_server, Hold, Origin, Shared};
 use common::*;
 use serde_json::{json, Value};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The server every test but the restart shares.
@@ -30,7 +30,7 @@ const ORIGIN: &str = "origin";
 struct Fixture {
     server: Server,
     ext: Extension,
-    origin: OnceLock<()>,
+    origin: Origin,
 }
 
 impl common::shared::Fixture for Fixture {
@@ -40,23 +40,16 @@ impl common::shared::Fixture for Fixture {
         Fixture {
             server,
             ext,
-            origin: OnceLock::new(),
+            origin: Origin::new(ORIGIN),
         }
     }
 
     /// Stops the server; unless a test failed, checks that nothing of it is left.
-    fn stop(mut self, failed: bool) {
-        if self.origin.get().is_some() {
-            self.server
-                .call("DELETE", &format!("/templates/{ORIGIN}"), None);
+    fn stop(self, failed: bool) {
+        if !failed {
+            self.origin.delete(&self.server);
         }
-        self.server.stop();
-        if failed || std::thread::panicking() {
-            eprintln!("shared server kept in {}", self.server.state_dir.display());
-            std::mem::forget(self.server);
-            return;
-        }
-        assert_nothing_left(&self.server);
+        stop_shared_server(self.server, failed);
     }
 }
 
@@ -64,14 +57,13 @@ impl Fixture {
     /// A running sandbox with [`params`], restored from a snapshot of a cold-booted
     /// sandbox whose /root holds only `d` ("disk").
     fn restored_sandbox(&self) -> String {
-        let s = &self.server;
-        self.origin.get_or_init(|| {
+        let boot = |s: &Server| {
             let id = cold_boot(s);
             sh(s, &id, "echo disk > /root/d");
-            snapshot(s, &id, ORIGIN);
-            delete(s, &[&id]);
-        });
-        from_snapshot(s, ORIGIN, params())
+            id
+        };
+        let extra = json!({ "customExtensionParams": params() });
+        self.origin.restore(&self.server, boot, extra)
     }
 }
 
@@ -158,14 +150,6 @@ fn hook_for(ext: &Extension, hook: &str, id: &str) -> Vec<Recorded> {
 
 fn stop_reason(r: &Recorded) -> Option<&str> {
     r.header("X-Agentenv-Stop-Reason")
-}
-
-/// After a server stopped: no sandbox file, namespace, link or QEMU of it is left.
-fn assert_nothing_left(s: &Server) {
-    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
-    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
 }
 
 #[test]
@@ -421,7 +405,7 @@ fn a_graceful_restart_keeps_paused_sandboxes_even_after_their_snapshot_is_delete
 
     delete(&s, &[&parent, &inherit, &over, &kid]);
     s.stop();
-    assert_nothing_left(&s);
+    assert_server_left_nothing(&s);
 }
 
 /// `POST /templates`: a build boots the image (start-fresh with `{}`), runs startCmd,

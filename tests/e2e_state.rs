@@ -17,78 +17,38 @@ mod common;
 
 use agentenv::image::{ImageSpec, LayerBlob, LayerBuilder, LayoutWriter};
 use common::registry::{Auth, TestLayer, TestRegistry};
-use common::shared::{Hold, Shared};
+use common::shared::{assert_server_left_nothing, DefaultServer, Hold, Shared};
 use common::*;
 use serde_json::{json, Value};
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The server the tests that do not restart one share.
-static SHARED: Shared<Fixture> = Shared::new();
+static SHARED: Shared<DefaultServer> = Shared::new();
 
-/// The snapshot [`Fixture::restored_sandbox`] restores from.
-const ORIGIN: &str = "privileged-origin";
-
-struct Fixture {
-    server: Server,
-    origin: OnceLock<()>,
-}
-
-impl common::shared::Fixture for Fixture {
-    fn start() -> Fixture {
-        Fixture {
-            server: Server::start(""),
-            origin: OnceLock::new(),
-        }
-    }
-
-    /// Stops the server; unless a test failed, checks that nothing of it is left.
-    fn stop(mut self, failed: bool) {
-        self.server.stop();
-        if failed || std::thread::panicking() {
-            eprintln!("shared server kept in {}", self.server.state_dir.display());
-            std::mem::forget(self.server);
-            return;
-        }
-        assert_nothing_left(&self.server);
-    }
-}
-
-impl Fixture {
+/// What the tests use of the shared server.
+trait Fixture {
     /// A running sandbox (timeout 600 s) restored from a snapshot of a sandbox
     /// cold-booted from [`base_plus_privileged_layer`].
+    fn restored_sandbox(&self) -> String;
+}
+
+impl Fixture for DefaultServer {
     fn restored_sandbox(&self) -> String {
-        let s = &self.server;
-        self.origin.get_or_init(|| {
+        let boot = |s: &Server| {
             let image = base_plus_privileged_layer(&s.state_dir.parent().unwrap().join("img"));
-            let id = id_of(&s.create(json!({"image": image, "timeout": 600})));
-            let name = json!({ "name": ORIGIN });
-            let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(name));
-            assert_eq!(code, 201, "{v}");
-            assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
-        });
-        let body = json!({"templateID": ORIGIN, "timeout": 600});
-        let (code, v) = s.call("POST", "/sandboxes", Some(body));
-        assert_eq!(code, 201, "{v}");
-        id_of(&v)
+            id_of(&s.create(json!({"image": image, "timeout": 600})))
+        };
+        self.origin.restore(&self.server, boot, json!({}))
     }
 }
 
 /// A hold on the shared server (started by the first test that asks).
-fn shared() -> Hold<Fixture> {
+fn shared() -> Hold<DefaultServer> {
     SHARED.hold()
-}
-
-/// No VM, sandbox file, namespace or link of the stopped server `s` is left.
-fn assert_nothing_left(s: &Server) {
-    assert!(files_under(&s.state_dir.join("sandboxes")).is_empty());
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
-    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
 }
 
 fn require_registry() {
@@ -548,7 +508,7 @@ fn a_record_corrupted_between_two_runs_is_quarantined_not_deleted() {
     );
     delete(&s, &a);
     s.stop();
-    assert_nothing_left(&s);
+    assert_server_left_nothing(&s);
 }
 
 #[test]
@@ -578,7 +538,7 @@ fn a_moved_state_dir_keeps_its_paused_sandboxes() {
     assert_eq!(sh(&s, &a, "cat /dev/shm/m /root/d"), "mem-a\ndisk-a\n");
     delete(&s, &a);
     s.stop();
-    assert_nothing_left(&s);
+    assert_server_left_nothing(&s);
 }
 
 #[test]

@@ -8,9 +8,13 @@
 
 #![allow(dead_code)]
 
+use super::{aenv_links, files_under, id_of, netns_files, qemu_processes_with, Server};
+use serde_json::{json, Value};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{
+    Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 
 /// What a binary shares: how it starts, and how it stops once the last test left.
 pub trait Fixture: Send + Sync + 'static {
@@ -106,4 +110,103 @@ impl<F: Fixture> Drop for Hold<F> {
 /// A mutex's guard, poisoned or not (a failed test must not fail the ones after it).
 pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A snapshot that tests restore their sandboxes from (cheaper than a cold boot each),
+/// captured once, by the first test that asks.
+pub struct Origin {
+    name: &'static str,
+    made: OnceLock<()>,
+}
+
+impl Origin {
+    pub const fn new(name: &'static str) -> Self {
+        Origin {
+            name,
+            made: OnceLock::new(),
+        }
+    }
+
+    /// The snapshot's name; on first use, captures the sandbox `boot` starts on `s`, then
+    /// deletes that sandbox.
+    pub fn name(&self, s: &Server, boot: impl FnOnce(&Server) -> String) -> &'static str {
+        self.made.get_or_init(|| {
+            let id = boot(s);
+            let body = json!({ "name": self.name });
+            let (code, v) = s.call("POST", &format!("/sandboxes/{id}/snapshots"), Some(body));
+            assert_eq!(code, 201, "{v}");
+            assert_eq!(s.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+        });
+        self.name
+    }
+
+    /// A running sandbox restored from the snapshot (made with `boot` if not yet), with
+    /// the extra create fields in `extra`.
+    pub fn restore(
+        &self,
+        s: &Server,
+        boot: impl FnOnce(&Server) -> String,
+        extra: Value,
+    ) -> String {
+        let mut body = json!({"templateID": self.name(s, boot), "timeout": 600});
+        if let (Some(body), Value::Object(extra)) = (body.as_object_mut(), extra) {
+            body.extend(extra);
+        }
+        let (code, v) = s.call("POST", "/sandboxes", Some(body));
+        assert_eq!(code, 201, "{v}");
+        id_of(&v)
+    }
+
+    /// Deletes the snapshot if it was made.
+    pub fn delete(&self, s: &Server) {
+        if self.made.get().is_some() {
+            let (code, v) = s.call("DELETE", &format!("/templates/{}", self.name), None);
+            assert_eq!(code, 204, "{v}");
+        }
+    }
+}
+
+/// Stops a shared server: after a failure keeps its state dir and log (and says where);
+/// otherwise checks that nothing of it is left.
+pub fn stop_shared_server(mut server: Server, failed: bool) {
+    server.stop();
+    if failed || std::thread::panicking() {
+        eprintln!("shared server kept in {}", server.state_dir.display());
+        std::mem::forget(server);
+        return;
+    }
+    assert_server_left_nothing(&server);
+}
+
+/// After a server stopped: no sandbox file, namespace, link or QEMU of it is left.
+pub fn assert_server_left_nothing(s: &Server) {
+    let sandboxes = files_under(&s.state_dir.join("sandboxes"));
+    assert!(sandboxes.is_empty(), "{sandboxes:?}");
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    assert!(qemu_processes_with(&s.state_dir.display().to_string()).is_empty());
+}
+
+/// The fixture of a binary whose tests share one server on the embedded defaults and
+/// restore their sandboxes from its [`Origin`] snapshot.
+pub struct DefaultServer {
+    pub server: Server,
+    pub origin: Origin,
+}
+
+impl Fixture for DefaultServer {
+    fn start() -> DefaultServer {
+        DefaultServer {
+            server: Server::start(""),
+            origin: Origin::new("origin"),
+        }
+    }
+
+    /// Stops the server; unless a test failed, checks that nothing of it is left.
+    fn stop(self, failed: bool) {
+        if !failed {
+            self.origin.delete(&self.server);
+        }
+        stop_shared_server(self.server, failed);
+    }
 }
