@@ -920,7 +920,6 @@ impl AdmissionConfig {
     }
 }
 
-/// API key rule of api.md §1.2: 32–256 characters from `[A-Za-z0-9._~-]`.
 /// `outbound_allowed_cidrs`: IPv4 CIDRs that open nothing of the host interaction, veth
 /// or guest ranges.
 fn validate_allowed(n: &NetworkConfig, host: Cidr, veth: Cidr) -> Result<(), ConfigError> {
@@ -942,12 +941,14 @@ fn validate_allowed(n: &NetworkConfig, host: Cidr, veth: Cidr) -> Result<(), Con
     Ok(())
 }
 
+/// API key rule of api.md §1.2: 32–256 characters from `[A-Za-z0-9_.~-]`, which holds
+/// E2B's own form (`e2b_` and 40 hex digits) that users bring from their setups.
 pub fn validate_api_key(key: &str) -> Result<(), String> {
     let ok_chars = key
         .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"._~-".contains(&b));
+        .all(|b| b.is_ascii_alphanumeric() || b"_.~-".contains(&b));
     if !(32..=256).contains(&key.len()) || !ok_chars {
-        return Err("an API key must be 32-256 characters from [A-Za-z0-9._~-]".into());
+        return Err("an API key must be 32-256 characters from [A-Za-z0-9_.~-]".into());
     }
     Ok(())
 }
@@ -1083,6 +1084,11 @@ mod tests {
         assert!(validate_api_key(&"a".repeat(32)).is_ok());
         assert!(validate_api_key(&"a".repeat(31)).is_err());
         assert!(validate_api_key(&format!("{}!", "a".repeat(32))).is_err());
+        // E2B's form, as users paste it from an E2B setup.
+        let e2b = format!("e2b_{}", "0123456789abcdef0123456789abcdef01234567");
+        assert_eq!(e2b.len(), 44);
+        assert!(validate_api_key(&e2b).is_ok());
+        assert!(validate_api_key(&format!("{e2b} ")).is_err());
         let e = load(&format!("[server]\napi_key = \"{}\"\n", "short")).unwrap_err();
         assert!(e.to_string().contains("api_key"), "{e}");
     }

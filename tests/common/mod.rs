@@ -22,7 +22,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub const API_KEY: &str = "test-key-0123456789abcdefghijklmnopqrstuvwxyz";
+/// The servers' key, in E2B's own form (`e2b_` and 40 hex digits), so every test and SDK
+/// run uses the key format E2B users bring.
+pub const API_KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 
 /// Where scripts/setup.sh put the kernel, initramfs and base image.
 pub fn assets_dir() -> PathBuf {
