@@ -13,6 +13,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/scripts/lib/as-root.sh"
 export PATH="$HOME/.cargo/bin:$PATH"
 ASSETS=${AENV_ASSETS_DIR:-/var/lib/agentenv/assets}
 AGENT_TARGET=x86_64-unknown-linux-gnu
@@ -194,7 +195,7 @@ ls -la "$ASSETS"
 cat <<MSG
 
 Start the server on the embedded defaults:
-  sudo $ROOT/target/release/agentenv serve
+  $ROOT/scripts/serve
 Create a sandbox from the built-in base image:
   curl -s -X POST http://127.0.0.1:8000/sandboxes-cold -H "X-API-Key: \$(sudo cat /var/lib/agentenv/api-key)" \\
        -H 'Content-Type: application/json' -d '{"image": "oci:$ASSETS/base-image"}'

@@ -5,6 +5,7 @@
 # Arguments go to scripts/run-tests (e.g. `scripts/test.sh e2e_soak` runs one binary).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/scripts/lib/as-root.sh"
 export PATH="$HOME/.cargo/bin:$PATH"
 setup_started=$(date +%s)
 "$ROOT/scripts/setup.sh"

@@ -1,15 +1,18 @@
 //! End-to-end failure paths against the real server: a guest that never becomes ready is
 //! killed and reported with nothing left behind, and a server killed with SIGKILL is
-//! cleaned up by the next start. The two servers run one after the other.
+//! cleaned up by the next start; a `base` whose build failed is built again. The tests
+//! take turns (`serial`): each checks what its servers leave on the host.
 
 mod common;
 
+use common::extension::{Behavior, Extension};
 use common::*;
 use serde_json::json;
 use std::time::Duration;
 
 #[test]
 fn failures_leave_nothing() {
+    let _serial = serial();
     guest_never_ready();
     crash_then_restart_reclaims();
     crash_during_pause();
@@ -145,4 +148,60 @@ fn crash_during_pause() {
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
     assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
     assert!(files_under(&server.state_dir.join("sandboxes")).is_empty());
+}
+
+/// `base` (built at startup, its build VM announced to the extension like any sandbox)
+/// whose build failed because the extension answered 500: built again after the backoff,
+/// counted and logged; then a create from it works, and nothing is left.
+#[test]
+fn a_failed_base_build_is_retried_until_base_is_ready() {
+    let _serial = serial();
+    let ext = Extension::start();
+    ext.script("start-fresh", vec![Behavior::status(500)]);
+    let mut server = Server::start(&extension_config(&ext));
+    let status = |s: &Server| s.call("GET", "/templates/base", None).1["buildStatus"].clone();
+    // The first build fails on the 500: the keeper logs it and when it builds again.
+    assert!(
+        wait_until(Duration::from_secs(120), || server
+            .log()
+            .contains("op=template_build name=base result=error failures=1 retry_in_s=5")),
+        "no failed base build logged:\n{}",
+        server.log()
+    );
+    assert!(
+        wait_until(Duration::from_secs(240), || status(&server) == "ready"),
+        "base never became ready: {}\n{}",
+        status(&server),
+        server.log()
+    );
+    assert_eq!(metric(&server, "agentenv_base_template_retries_total"), 1);
+    assert!(server.log().contains("op=template_build name=base result=retry retries=1"));
+    // Two build VMs announced: the refused one and the one that built.
+    let fresh = ext.requests_for("start-fresh");
+    assert_eq!(fresh.len(), 2, "{fresh:?}");
+    assert_eq!(ext.answer_of(&fresh[0]), Some(500));
+    assert_eq!(ext.answer_of(&fresh[1]), Some(200));
+    // One template named base: the failed build is forgotten, not listed beside it.
+    let (_, list) = server.call("GET", "/templates", None);
+    let named_base = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["name"] == "base" || t["aliases"].as_array().is_some_and(|a| a.contains(&json!("base"))))
+        .count();
+    assert_eq!(named_base, 1, "{list}");
+    // What `Sandbox.create()` without a template asks for now works.
+    let id = server.create_from("base", 600);
+    assert_eq!(server.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    server.stop();
+    assert!(netns_files().is_empty(), "{:?}", netns_files());
+    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
+    assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
+}
+
+fn extension_config(ext: &Extension) -> String {
+    format!(
+        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+        ext.url()
+    )
 }

@@ -61,9 +61,18 @@ pub fn render_state_gauge<N: std::fmt::Display>(
 
 /// Writes one gauge without labels.
 pub fn render_gauge<N: std::fmt::Display>(out: &mut String, name: &str, help: &str, value: N) {
+    render_single(out, name, help, "gauge", value);
+}
+
+/// Writes one counter without labels.
+pub fn render_counter(out: &mut String, name: &str, help: &str, value: u64) {
+    render_single(out, name, help, "counter", value);
+}
+
+fn render_single<N: std::fmt::Display>(out: &mut String, name: &str, help: &str, kind: &str, value: N) {
     let _ = writeln!(
         out,
-        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
     );
 }
 

@@ -7,6 +7,7 @@
 //! operation, an image build or a slot allocation.
 
 mod admission;
+mod base;
 mod build_files;
 mod build_steps;
 mod catalog;
@@ -163,6 +164,8 @@ pub(crate) struct Shared {
     /// E2B volumes (`/volumes`, the content API).
     pub volumes: crate::volume::VolumeStore,
     pub shutting_down: AtomicBool,
+    /// Keeps `base` built (retries a failed build).
+    pub base: base::BaseKeeper,
 }
 
 pub struct Orchestrator {
@@ -249,6 +252,7 @@ impl Orchestrator {
             operations: OperationCounters::default(),
             idempotency,
             shutting_down: AtomicBool::new(false),
+            base: base::BaseKeeper::default(),
         });
         Orchestrator { shared }
     }
@@ -596,7 +600,9 @@ impl Orchestrator {
     }
 
     fn create_from_snapshot_inner(&self, req: FromSnapshot) -> Result<SandboxInfo, OrchError> {
-        // An E2B template (name, name:tag or id) means its ready build's snapshot.
+        // An E2B template (name, name:tag or id) means its ready build's snapshot, and
+        // its name is the sandbox's `alias` (the SDKs' `get_info().name`).
+        let catalog_name = self.shared.catalog.find(&req.template).map(|t| t.name);
         let key = match self.shared.catalog.resolve(&req.template) {
             Some(build) => build?,
             None => req.template.clone(),
@@ -631,7 +637,7 @@ impl Orchestrator {
         env_vars.extend(req.request.env_vars.clone());
         let settings = SandboxSettings {
             template_id: snap.id.clone(),
-            alias: snap.name.clone(),
+            alias: catalog_name.or_else(|| snap.name.clone()),
             resources,
             timeout_secs: req.request.timeout_secs,
             auto_pause: req.request.auto_pause,

@@ -476,7 +476,7 @@ impl Orchestrator {
             }
             Request::DeleteVolume { id } => self.delete_volume(id).map(|()| R::Done)?,
             Request::EnsureBaseTemplate => {
-                super::templates::ensure_base(&self.shared);
+                super::base::keep_built(&self.shared);
                 R::Done
             }
             Request::Shutdown => R::ShutDown(self.shutdown()),

@@ -352,8 +352,9 @@ fn save(dir: &std::path::Path, b: &TemplateBuild) -> Result<(), OrchError> {
 /// The E2B SDKs' default template.
 pub const BASE_TEMPLATE: &str = "base";
 
-/// At startup (`[templates] build_base`): builds `base` from the built-in image in the
-/// background unless a template (or a build under way) already has the name.
+/// At startup (`[templates] build_base`) and after a failed build of it
+/// ([`super::base`]): builds `base` from the built-in image in the background unless a
+/// template (or a build under way) already has the name.
 pub(crate) fn ensure_base(shared: &Arc<Shared>) {
     if shared.catalog.find(BASE_TEMPLATE).is_some()
         || shared.snapshots.lookup(BASE_TEMPLATE).is_some()

@@ -248,6 +248,7 @@ impl Observer<'_> {
             &[("running", count("running")), ("paused", count("paused"))],
         );
         self.orch.shared.operations.render(&mut out);
+        self.orch.shared.base.render_metrics(&mut out);
         self.orch.shared.launcher.hooks.render_metrics(&mut out);
         self.orch.shared.launcher.standby.render_metrics(&mut out);
         self.orch.shared.launcher.kept.render_metrics(&mut out);

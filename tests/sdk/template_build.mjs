@@ -59,6 +59,8 @@ ok('the build waited with waitForPort', text.includes('waiting for the ready com
 
 const sbx = await Sandbox.create(alias, { timeoutMs: 300_000 });
 try {
+  const { name } = await sbx.getInfo();
+  ok("getInfo().name is the template's alias", name === alias, name);
   const run = async (cmd, opts) => (await sbx.commands.run(cmd, opts)).stdout.trim();
   ok('sandbox runs as user by default', (await run('id -un')) === 'user');
   ok('COPY dir content', (await run('cat /srv/app/hello.txt /srv/app/sub/deep.txt')) === 'hello from the context\ndeep');

@@ -78,6 +78,8 @@ def run(sbx, cmd, user=None):
 def check_sandbox(alias, want_last):
     sbx = Sandbox.create(alias, timeout=300)
     try:
+        name = sbx.get_info().name
+        ok("get_info().name is the template's alias", name == alias, name)
         ok("sandbox runs as user by default", run(sbx, "id -un") == "user", run(sbx, "id -un"))
         ok("RUN saw the build env", run(sbx, "cat /srv/app/stamp") == "hi s3cret")
         ok("WORKDIR was the RUN's cwd", run(sbx, "cat /srv/app/wd") == "/srv/app")
