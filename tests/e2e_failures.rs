@@ -162,9 +162,9 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
     let status = |s: &Server| s.call("GET", "/templates/base", None).1["buildStatus"].clone();
     // The first build fails on the 500: the keeper logs it and when it builds again.
     assert!(
-        wait_until(Duration::from_secs(120), || server
-            .log()
-            .contains("op=template_build name=base result=error failures=1 retry_in_s=5")),
+        wait_until(Duration::from_secs(120), || server.log().contains(
+            "op=template_build name=base result=error failures=1 retry_in_s=5"
+        )),
         "no failed base build logged:\n{}",
         server.log()
     );
@@ -175,7 +175,9 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
         server.log()
     );
     assert_eq!(metric(&server, "agentenv_base_template_retries_total"), 1);
-    assert!(server.log().contains("op=template_build name=base result=retry retries=1"));
+    assert!(server
+        .log()
+        .contains("op=template_build name=base result=retry retries=1"));
     // Two build VMs announced: the refused one and the one that built.
     let fresh = ext.requests_for("start-fresh");
     assert_eq!(fresh.len(), 2, "{fresh:?}");
@@ -187,12 +189,20 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|t| t["name"] == "base" || t["aliases"].as_array().is_some_and(|a| a.contains(&json!("base"))))
+        .filter(|t| {
+            t["name"] == "base"
+                || t["aliases"]
+                    .as_array()
+                    .is_some_and(|a| a.contains(&json!("base")))
+        })
         .count();
     assert_eq!(named_base, 1, "{list}");
     // What `Sandbox.create()` without a template asks for now works.
     let id = server.create_from("base", 600);
-    assert_eq!(server.call("DELETE", &format!("/sandboxes/{id}"), None).0, 204);
+    assert_eq!(
+        server.call("DELETE", &format!("/sandboxes/{id}"), None).0,
+        204
+    );
     server.stop();
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());

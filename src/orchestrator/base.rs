@@ -125,8 +125,7 @@ fn backoff(failures: u32) -> Duration {
 
 /// Whether `base` is a template (a ready build or a catalog template).
 fn base_exists(shared: &Shared) -> bool {
-    shared.catalog.find(BASE_TEMPLATE).is_some()
-        || shared.snapshots.lookup(BASE_TEMPLATE).is_some()
+    shared.catalog.find(BASE_TEMPLATE).is_some() || shared.snapshots.lookup(BASE_TEMPLATE).is_some()
 }
 
 /// The failed builds named `base` (id, reason), newest first, and whether one is waiting

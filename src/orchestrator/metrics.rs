@@ -69,7 +69,13 @@ pub fn render_counter(out: &mut String, name: &str, help: &str, value: u64) {
     render_single(out, name, help, "counter", value);
 }
 
-fn render_single<N: std::fmt::Display>(out: &mut String, name: &str, help: &str, kind: &str, value: N) {
+fn render_single<N: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    kind: &str,
+    value: N,
+) {
     let _ = writeln!(
         out,
         "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
