@@ -158,7 +158,10 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
     let _serial = serial();
     let ext = Extension::start();
     ext.script("start-fresh", vec![Behavior::status(500)]);
-    let mut server = Server::start(&extension_config(&ext));
+    let mut server = Server::builder()
+        .section(&ext.config())
+        .env("AENV_TEMPLATES_BUILD_BASE", "true")
+        .start();
     let status = |s: &Server| s.call("GET", "/templates/base", None).1["buildStatus"].clone();
     // The first build fails on the 500: the keeper logs it and when it builds again.
     assert!(
@@ -207,11 +210,4 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
     assert!(netns_files().is_empty(), "{:?}", netns_files());
     assert!(aenv_links().is_empty(), "{:?}", aenv_links());
     assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
-}
-
-fn extension_config(ext: &Extension) -> String {
-    format!(
-        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
-        ext.url()
-    )
 }

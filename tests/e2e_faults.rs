@@ -29,7 +29,7 @@ fn quarantined(s: &Server) -> Vec<PathBuf> {
 fn a_vm_that_dies_is_stopped_and_quarantined() {
     let _serial = serial();
     let ext = Extension::start();
-    let mut s = Server::start(&extension_toml(&ext));
+    let mut s = Server::start(&ext.config());
     let victim = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
     let other = id_of(&s.create(json!({"image": base_image(), "timeout": 600})));
     sh(&s, &victim, "echo kept > /root/proof; sync");
@@ -158,14 +158,6 @@ fn partial_files(s: &Server, running: &[&str]) -> Vec<PathBuf> {
 
 const RESERVE_MB: u64 = 250;
 
-/// `[custom_extension]` for the recording extension `ext`.
-fn extension_toml(ext: &Extension) -> String {
-    format!(
-        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
-        ext.url()
-    )
-}
-
 /// A running server whose state dir is a fresh 1.5 GiB loop-mounted ext4 filesystem with
 /// `disk_reserve_mb = reserve_mb`, and its extension. Drop the server before the
 /// filesystem.
@@ -181,7 +173,7 @@ fn on_small_disk_with(reserve_mb: u64, extra_toml: &str) -> (Extension, LoopFs, 
     let s = Server::builder()
         .dir(&scratch)
         .server_keys(&format!("disk_reserve_mb = {reserve_mb}"))
-        .section(&format!("{}{extra_toml}", extension_toml(&ext)))
+        .section(&format!("{}{extra_toml}", ext.config()))
         .start();
     (ext, fs, s)
 }
@@ -618,7 +610,7 @@ fn a_guest_paused_on_a_full_disk_completes_its_write_intact_once_space_returns()
 fn a_template_build_whose_vm_dies_fails_naming_the_death() {
     let _serial = serial();
     let ext = Extension::start();
-    let mut s = Server::start(&extension_toml(&ext));
+    let mut s = Server::start(&ext.config());
     let template = json!({"name": "dies", "image": base_image(), "memoryMB": 256,
         "cpuCount": 1, "diskSizeMB": 1024, "startCmd": "sleep 600"});
     let (code, v) = s.call("POST", "/templates", Some(template));

@@ -39,9 +39,8 @@ impl common::shared::Fixture for Fixture {
     fn start() -> Fixture {
         let ext = Extension::start();
         let server = Server::start(&format!(
-            "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n\n[templates]\n\
-             standby_per_template = 0\n\n[sandbox]\nkeep_paused_vms = 1\n",
-            ext.url()
+            "{}\n[templates]\nstandby_per_template = 0\n\n[sandbox]\nkeep_paused_vms = 1\n",
+            ext.config()
         ));
         build_template(&server, "kp");
         Fixture { server, ext }

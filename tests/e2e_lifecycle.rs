@@ -36,7 +36,7 @@ struct Fixture {
 impl common::shared::Fixture for Fixture {
     fn start() -> Fixture {
         let ext = Extension::start();
-        let server = Server::start(&extension_config(&ext));
+        let server = Server::start(&ext.config());
         Fixture {
             server,
             ext,
@@ -70,13 +70,6 @@ impl Fixture {
 /// A hold on the shared server (started by the first test that asks).
 fn shared() -> Hold<Fixture> {
     SHARED.hold()
-}
-
-fn extension_config(ext: &Extension) -> String {
-    format!(
-        "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
-        ext.url()
-    )
 }
 
 fn params() -> Value {
@@ -363,7 +356,7 @@ fn concurrent_pause_connect_and_delete_never_answer_500() {
 fn a_graceful_restart_keeps_paused_sandboxes_even_after_their_snapshot_is_deleted() {
     let _alone = SHARED.alone();
     let ext = Extension::start();
-    let mut s = Server::start(&extension_config(&ext));
+    let mut s = Server::start(&ext.config());
     let parent = cold_boot(&s);
     let pid = background_sleep(&s, &parent);
     sh(&s, &parent, "echo disk > /root/d");

@@ -106,8 +106,8 @@ impl Group {
     fn start(kind: Kind) -> Group {
         let ext = Extension::start();
         let s = Server::start(&format!(
-            "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n\n[templates]\n{}\n",
-            ext.url(),
+            "{}\n[templates]\n{}\n",
+            ext.config(),
             kind.config()
         ));
         Group {

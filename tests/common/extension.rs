@@ -169,6 +169,14 @@ impl Extension {
         Extension { port, shared }
     }
 
+    /// The server's `[custom_extension]` section for this extension (3 s per call).
+    pub fn config(&self) -> String {
+        format!(
+            "[custom_extension]\nurl = \"{}\"\ntimeout_ms = 3000\n",
+            self.url()
+        )
+    }
+
     /// The base URL to configure (`http://127.0.0.1:<port>`).
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
