@@ -441,7 +441,18 @@ fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
     let e = operations::pause(&rig.registry, "sb-1", StopReason::Pause, PauseRequest::FULL)
         .unwrap_err();
     assert!(e.to_string().contains("pause failed"), "{e}");
-    assert!(rig.registry.entry("sb-1").is_err(), "removed from the API");
+    // Removed from the API; later calls are told why, and where its files are.
+    let gone = rig
+        .registry
+        .entry("sb-1")
+        .err()
+        .expect("removed from the API");
+    assert!(matches!(gone, OrchError::NotFound(_)), "{gone}");
+    let gone = gone.to_string();
+    assert!(
+        gone.starts_with("sandbox sb-1 is gone: its VM stopped during a pause (it died, or"),
+        "{gone}"
+    );
     assert_eq!(entry.state(), SandboxState::Deleting);
     assert!(!rig.registry.dir("sb-1").exists());
     let quarantine = rig.state_dir.join("quarantine");
@@ -455,6 +466,10 @@ fn a_pause_that_leaves_the_vm_unable_to_run_on_keeps_its_disk_in_quarantine() {
     assert!(kept[0].join("record.json").is_file());
     let why = std::fs::read_to_string(kept[0].with_extension("reason")).unwrap();
     assert!(why.contains("pause failed"), "{why}");
+    assert!(
+        gone.ends_with(&format!("its files are kept in {}", kept[0].display())),
+        "{gone}"
+    );
     assert_eq!(rig.hooks.calls(), ["start-fresh sb-1", "stop sb-1 failure"]);
     rig.assert_nothing_held();
 }

@@ -265,7 +265,8 @@ pub(crate) fn pause(
             Err(e)
         }
         PauseOutcome::Gone(e) => {
-            registry.unregister(id);
+            let why = format!("sandbox {id} is gone: its VM died during a pause ({e})");
+            registry.unregister_gone(id, &why);
             entry.set_state(SandboxState::Deleting)?;
             let _ = std::fs::remove_dir_all(&sandbox_dir);
             log::error!("sandboxId={id} op=pause result=removed error=\"{e}\"");
@@ -288,13 +289,21 @@ fn remove_stopped(
     op: &str,
     e: OrchError,
 ) -> OrchError {
-    registry.unregister(id);
+    let dir = registry.dir(id);
+    let kept_in = crate::store::quarantine_dest(records::state_dir_of(&dir), &dir);
+    registry.unregister_gone(
+        id,
+        &format!(
+            "sandbox {id} is gone: its VM stopped during a {op} (it died, or could not run on \
+             after the capture: {e}); its files are kept in {}",
+            kept_in.display()
+        ),
+    );
     if let Err(t) = entry.set_state(SandboxState::Deleting) {
         log::error!("sandboxId={id} op={op} error=\"{t}\"");
     }
-    let dir = registry.dir(id);
     let why = format!("{op} failed and the VM could not run on: {e}");
-    let kept = crate::store::quarantine(records::state_dir_of(&dir), &dir, &why);
+    let kept = crate::store::quarantine_to(&dir, &kept_in, &why);
     let kept = kept.as_deref().unwrap_or(&dir).display();
     log::error!("sandboxId={id} op={op} result=stopped kept={kept} error=\"{e}\"");
     OrchError::RemovedAfter {

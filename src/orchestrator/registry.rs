@@ -89,13 +89,19 @@ impl Registry {
     /// Forgets a sandbox whose VM died on its own (the supervisor tears it down); its
     /// 404 says `death` from now on.
     pub fn forget_dead(&self, id: &str, death: &str) {
-        self.deaths.remember(id, death.to_string());
-        if let Some(entry) = self.unregister(id) {
+        if let Some(entry) = self.unregister_gone(id, death) {
             entry.take_runtime();
             if let Err(e) = entry.set_state(SandboxState::Deleting) {
                 log::error!("sandboxId={id} op=forget_dead error=\"{e}\"");
             }
         }
+    }
+
+    /// Removes a sandbox that ended without being deleted: later calls see 404 with `why`
+    /// (its VM died, or a capture left it unable to run on), not a bare "not found".
+    pub fn unregister_gone(&self, id: &str, why: &str) -> Option<Arc<SandboxEntry>> {
+        self.deaths.remember(id, why.to_string());
+        self.unregister(id)
     }
 
     /// Removes a sandbox from the registry; later calls see 404.
