@@ -377,7 +377,13 @@ fn logs_show_the_guest_console() {
     let id = cli.ok(&create).trim().to_string();
     let mark = "echo cli-console-mark > /dev/console";
     cli.ok(&["sandbox", "exec", &id, "--", "sh", "-c", mark]);
-    let logs = cli.ok(&["sandbox", "logs", &id, "--lines", "5000"]);
+    // The guest's write returns before the line has gone through the serial port and the
+    // server's console writer into the log: wait (bounded) for it.
+    let mut logs = String::new();
+    common::wait_until(Duration::from_secs(10), || {
+        logs = cli.ok(&["sandbox", "logs", &id, "--lines", "5000"]);
+        logs.contains("cli-console-mark")
+    });
     assert!(logs.contains("agentenv-agent"), "console:\n{logs}");
     assert!(logs.contains("cli-console-mark"), "console:\n{logs}");
     let last = cli.ok(&["sandbox", "logs", &id, "--lines", "3"]);

@@ -232,11 +232,14 @@ fn sandbox_logs(s: &Server, id: &str) {
             && e["message"].is_string()),
         "{v}"
     );
-    let (_, found) = s.call(
-        "GET",
-        &format!("/v2/sandboxes/{id}/logs?search=console-marker-42"),
-        None,
-    );
+    // The guest's write returns before its serial port has sent the line to QEMU's
+    // console file: wait (bounded) for the line to be there.
+    let search = format!("/v2/sandboxes/{id}/logs?search=console-marker-42");
+    let mut found = Value::Null;
+    wait_until(Duration::from_secs(10), || {
+        found = s.call("GET", &search, None).1;
+        found["logs"].as_array().is_some_and(|l| !l.is_empty())
+    });
     let found = found["logs"].as_array().unwrap();
     assert_eq!(found.len(), 1, "the guest's console line: {found:?}");
     assert_eq!(found[0]["fields"]["source"], "console");
