@@ -207,7 +207,5 @@ fn a_failed_base_build_is_retried_until_base_is_ready() {
         204
     );
     server.stop();
-    assert!(netns_files().is_empty(), "{:?}", netns_files());
-    assert!(aenv_links().is_empty(), "{:?}", aenv_links());
-    assert!(qemu_processes_with(&server.state_dir.display().to_string()).is_empty());
+    common::shared::assert_server_left_nothing(&server);
 }
